@@ -1,0 +1,119 @@
+"""Typed errors of conduit-rt. Each says what went wrong and, where it can, what to do next.
+
+Native statuses map one to one onto the ``NativeError`` subclasses (see ``native.py``); the
+others are raised by the Python side (model files, requests).
+"""
+from __future__ import annotations
+
+
+class ConduitError(Exception):
+    """Base class of every error conduit-rt raises on purpose."""
+
+
+class NativeError(ConduitError):
+    """A call into the native library failed. ``status`` is the native status code."""
+
+    status: int = 0
+    fatal: bool = False
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class InvalidArgumentError(NativeError, ValueError):
+    """An argument was out of range: a bad shape, slot, layer, dtype or a null handle."""
+
+    status = 1
+
+
+class ArenaFullError(NativeError, MemoryError):
+    """The KV arena has no free block left, even after evicting unused image entries.
+
+    Recoverable: free sequences, compress, or create the runtime with a larger ``kv_cache_bytes``.
+    """
+
+    status = 2
+
+
+class NotFoundError(NativeError, KeyError):
+    """No cached image entry under that key."""
+
+    status = 3
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExistsError(NativeError):
+    """An image entry under that key already exists."""
+
+    status = 4
+
+
+class UnsupportedError(NativeError):
+    """The backend was not compiled into the library, or no device is present."""
+
+    status = 5
+
+
+class DeviceOutOfMemoryError(NativeError, MemoryError):
+    """A host or device allocation failed."""
+
+    status = 6
+
+
+class InUseError(NativeError):
+    """The object is still referenced and cannot be removed."""
+
+    status = 7
+
+
+class DeviceError(NativeError):
+    """A CUDA call failed. Fatal: the arena's state is unknown; free it and start again."""
+
+    status = -1
+    fatal = True
+
+
+class InternalError(NativeError):
+    """A broken invariant inside the native library (a bug). Fatal."""
+
+    status = -2
+    fatal = True
+
+
+class LibraryNotFoundError(ConduitError, OSError):
+    """The native library could not be found or loaded (set CONDUIT_LIB to its path)."""
+
+
+class ModelFormatError(ConduitError, ValueError):
+    """A model file is malformed, truncated, or does not match what was expected.
+
+    The message names the file and the key or tensor at fault.
+    """
+
+
+class UnsupportedArchitectureError(ConduitError, ValueError):
+    """The checkpoint's architecture is not one conduit-rt can convert or run."""
+
+
+class RequestError(ConduitError, ValueError):
+    """A request (messages, images, sampling parameters) is malformed."""
+
+
+NATIVE_ERRORS: dict[int, type[NativeError]] = {
+    cls.status: cls
+    for cls in (
+        InvalidArgumentError,
+        ArenaFullError,
+        NotFoundError,
+        AlreadyExistsError,
+        UnsupportedError,
+        DeviceOutOfMemoryError,
+        InUseError,
+        DeviceError,
+        InternalError,
+    )
+}

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint -> GGUF conversion (text model + mmproj), llama.cpp conventions."""

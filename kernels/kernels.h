@@ -1,0 +1,104 @@
+// kernels.h: stateless compute kernels over raw pointers, one implementation per backend.
+//
+// The native runtime (native/) owns memory and state; these functions only read and write the
+// buffers they are given. Every function exists twice with the same signature: in namespace
+// conduit::kernels::cpu (kernels/cpu/, portable C++) and conduit::kernels::cuda (kernels/cuda/,
+// enqueued on `stream`). All pointers are device pointers of the backend that runs the kernel.
+//
+// Block pool layout (see conduit.h): block b holds, for ONE layer, K then V:
+//   K: pool + b * block_elems + h * block_size * head_dim + t * head_dim + i
+//   V: the same + n_kv_heads * block_size * head_dim
+// with block_elems = 2 * n_kv_heads * block_size * head_dim. A layer's token in slot s lives in
+// block block_table[s / block_size] at offset t = s % block_size.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace conduit::kernels {
+
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+
+// Thrown by the CUDA side for a failed CUDA call; the runtime maps it to CONDUIT_ERR_DEVICE.
+struct CudaError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+// Thrown when a device allocation fails; mapped to CONDUIT_ERR_OUT_OF_MEMORY.
+struct DeviceOutOfMemory : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+inline size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
+
+// One layer of a sequence (or of an image entry) as the kernels see it.
+struct LayerView {
+    void *pool = nullptr;                 // device: base of the block pool
+    const int32_t *block_table = nullptr; // device int32 [ceil(n_tokens / block_size)]
+    const int32_t *positions = nullptr;   // device int32 [n_tokens], causal positions (may be null
+                                          // where a kernel does not read them)
+    int32_t n_tokens = 0;
+    int32_t n_kv_heads = 0;
+    int32_t head_dim = 0;
+    int32_t block_size = 0;
+    DType dtype = DType::F32;
+
+    int64_t block_elems() const { return int64_t(2) * n_kv_heads * block_size * head_dim; }
+};
+
+// RoPE as the kernels apply it: rotate-half over the first 2 * n_freq elements of each head,
+// pairs (i, i + n_freq), angle = pos * inv_freq[i]; cos and sin scaled by `scaling`.
+// type 0: none, 1: NEOX (rope_pos int32 [n]), 2: MROPE (rope_pos int32 [3, n]; frequency i takes
+// row 0 for i < sections[0], row 1 for i < sections[0] + sections[1], else row 2).
+struct Rope {
+    int32_t type = 0;
+    int32_t n_freq = 0;
+    const float *inv_freq = nullptr; // device float32 [n_freq]
+    int32_t sections[3] = {0, 0, 0};
+    float scaling = 1.0f;
+};
+
+// Destination or source slots of n tokens: slots[i] when `slots` is set, else base + i.
+struct Slots {
+    const int32_t *slots = nullptr; // device int32 [n] or null
+    int32_t base = 0;
+};
+
+#define CONDUIT_KERNEL_DECLS                                                                              \
+    /* Dense K, V [n, n_kv_heads, head_dim] -> dst slots, K rotated at rope_pos when rope.type != 0. */  \
+    void write_dense(const LayerView &dst, Slots dst_slots, int32_t n, const void *k, const void *v,     \
+                     const Rope &rope, const int32_t *rope_pos, void *stream);                            \
+    /* Paged -> paged copy of n tokens (src and dst may share the pool but not the slots), K rotated   \
+       at rope_pos when rope.type != 0 (restore of pre-RoPE image KV). */                                 \
+    void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slots dst_slots,        \
+                    int32_t n, const Rope &rope, const int32_t *rope_pos, void *stream);                  \
+    /* All tokens of a layer, in slot order, into dense k_out, v_out [n_tokens, n_kv_heads, head_dim]  \
+       (either may be null). */                                                                           \
+    void read_dense(const LayerView &src, void *k_out, void *v_out, void *stream);                       \
+    /* Causal-by-position GQA attention: q [n_q, n_heads, head_dim] (kv dtype), q_pos int32 [n_q],     \
+       out [n_q, n_heads, head_dim] (kv dtype), lse float32 [n_q, n_heads] or null. A query seeing no  \
+       key writes zeros and lse = -inf. */                                                                \
+    void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
+                   float scale, void *out, float *lse, void *stream);
+
+namespace cpu {
+CONDUIT_KERNEL_DECLS
+} // namespace cpu
+
+namespace cuda {
+CONDUIT_KERNEL_DECLS
+// Device-to-device and host-to-device copies, allocation; errors throw conduit::kernels::CudaError.
+void *device_alloc(size_t bytes, int32_t device);
+void device_free(void *ptr, int32_t device);
+void memcpy_d2d(void *dst, const void *src, size_t bytes, void *stream);
+void memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream);
+void memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream);
+void set_device(int32_t device);
+int32_t device_count(); // 0 when there is no driver or no device; never throws
+void synchronize(void *stream);
+} // namespace cuda
+
+#undef CONDUIT_KERNEL_DECLS
+
+} // namespace conduit::kernels
