@@ -1,0 +1,245 @@
+"""Images: load, preprocess for the vision tower, and identify.
+
+Preprocessing reproduces Hugging Face's PIL-backend CLIP/LLaVA image processor
+(``CLIPImageProcessorPil`` / ``LlavaImageProcessorPil`` in transformers 5, the slow
+``CLIPImageProcessor`` of transformers 4): alpha composited onto white, optional pad to square
+with the mean colour, shortest-edge resize through ``PIL.Image.resize`` (bicubic), center crop,
+rescale in float64 then float32, normalize in float32. The output is bit-identical to it.
+transformers 5 picks its torchvision backend instead when torchvision is installed; that one
+resizes with torch's antialiased bicubic and differs from PIL by up to a few 1e-2.
+
+Identity (METHODS.md §1 step 1): ``image_key`` is sha256 over the decoded RGB pixels and their
+size, the canonical JSON of the preprocessing parameters and the vision-model id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from conduit_rt.errors import ModelFormatError, RequestError
+
+logger = logging.getLogger(__name__)
+
+ImageInput = Union[str, os.PathLike, bytes, Image.Image]
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_KEY_DOMAIN = b"conduit-rt image key v1\0"
+
+
+def load_image(image: ImageInput) -> Image.Image:
+    """Decode a path, encoded bytes or a PIL image into a loaded PIL image (mode unchanged).
+
+    EXIF orientation is not applied, as Hugging Face's processors do not apply it.
+    Raises ``RequestError`` when the input cannot be read or decoded.
+    """
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        source: Any = io.BytesIO(bytes(image))
+        name = f"<{len(image)} bytes>"
+    elif isinstance(image, (str, os.PathLike)):
+        source = name = os.fspath(image)
+    else:
+        raise RequestError(f"an image must be a path, bytes or a PIL.Image, not {type(image).__name__}")
+    try:
+        with Image.open(source) as opened:
+            opened.load()  # decode now, so the file can close and errors surface here
+        return opened
+    except FileNotFoundError as error:
+        raise RequestError(f"image file not found: {name}") from error
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise RequestError(f"cannot decode image {name}: {error}") from error
+
+
+def to_rgb_array(image: ImageInput | np.ndarray) -> np.ndarray:
+    """The image's RGB pixels, shape: [height, width, 3], dtype: uint8.
+
+    Transparency (an alpha band or a palette transparency entry) is composited onto white, as
+    Hugging Face's ``convert_to_rgb`` does; every other mode goes through ``convert("RGB")``.
+    An array must already be [height, width, 3] uint8.
+    """
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise RequestError(f"a pixel array must be [height, width, 3] uint8, got {image.shape} {image.dtype}")
+        return np.ascontiguousarray(image)
+    pil = load_image(image)
+    if "A" in pil.getbands() or pil.info.get("transparency") is not None:
+        rgba = pil.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        pil = Image.alpha_composite(white, rgba)
+    return np.asarray(pil.convert("RGB"), dtype=np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class ClipPreprocessParams:
+    """Preprocessing of CLIP-style vision towers (LLaVA-1.5): one fixed-size crop per image.
+
+    ``resize_to`` is ``("shortest_edge", n)`` or ``("exact", height, width)``; ``resample`` is a
+    PIL filter code (3 = bicubic).
+    """
+
+    resize_to: tuple
+    crop_height: int
+    crop_width: int
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = Image.Resampling.BICUBIC.value
+    do_resize: bool = True
+    do_center_crop: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_pad_to_square: bool = False
+    kind: str = "clip"
+
+    def __post_init__(self) -> None:
+        if self.resize_to[0] not in ("shortest_edge", "exact") or min(self.resize_to[1:]) < 1:
+            raise ModelFormatError(f"unsupported image resize target {self.resize_to!r}")
+        if min(self.crop_height, self.crop_width) < 1:
+            raise ModelFormatError(f"image crop size must be positive, got {self.crop_height}x{self.crop_width}")
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ClipPreprocessParams":
+        """From a Hugging Face ``preprocessor_config.json`` (CLIPImageProcessor or LlavaImageProcessor)."""
+        size = config.get("size", {"shortest_edge": 224})
+        if isinstance(size, int):  # old configs: an int means the shortest edge (default_to_square=False)
+            size = {"shortest_edge": size}
+        if "shortest_edge" in size:
+            resize_to: tuple = ("shortest_edge", int(size["shortest_edge"]))
+        elif "height" in size and "width" in size:
+            resize_to = ("exact", int(size["height"]), int(size["width"]))
+        else:
+            raise ModelFormatError(f"preprocessor_config.json: unsupported size {size!r}")
+        crop = config.get("crop_size", {"height": 224, "width": 224})
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        return cls(
+            resize_to=resize_to,
+            crop_height=int(crop["height"]),
+            crop_width=int(crop["width"]),
+            image_mean=tuple(float(x) for x in config.get("image_mean", OPENAI_CLIP_MEAN)),
+            image_std=tuple(float(x) for x in config.get("image_std", OPENAI_CLIP_STD)),
+            rescale_factor=float(config.get("rescale_factor", 1 / 255)),
+            resample=int(config.get("resample", Image.Resampling.BICUBIC.value)),
+            do_resize=bool(config.get("do_resize", True)),
+            do_center_crop=bool(config.get("do_center_crop", True)),
+            do_rescale=bool(config.get("do_rescale", True)),
+            do_normalize=bool(config.get("do_normalize", True)),
+            do_pad_to_square=bool(config.get("do_pad", False)),
+        )
+
+    def as_dict(self) -> dict:
+        """Plain JSON-able dict of every field (what ``image_key`` hashes)."""
+        return dataclasses.asdict(self)
+
+    def preprocess(self, image: ImageInput | np.ndarray) -> np.ndarray:
+        """Pixel values for the vision tower, shape: [3, crop_height, crop_width], dtype: float32."""
+        return preprocess_clip(to_rgb_array(image), self)
+
+
+def _resized_size(height: int, width: int, params: ClipPreprocessParams) -> tuple[int, int]:
+    """(height, width) after the resize; the shortest-edge rule truncates the long side like HF."""
+    if params.resize_to[0] == "exact":
+        return params.resize_to[1], params.resize_to[2]
+    short_target = params.resize_to[1]
+    if width <= height:
+        return int(short_target * height / width), short_target
+    return short_target, int(short_target * width / height)
+
+
+def _pad_to_square(rgb: np.ndarray, mean: tuple[float, ...]) -> np.ndarray:
+    """Center the image on a square of the mean colour (int(m * 255) per channel), as LLaVA does."""
+    height, width, _ = rgb.shape
+    if height == width:
+        return rgb
+    side = max(height, width)
+    square = np.empty((side, side, 3), dtype=np.uint8)
+    square[:] = [int(m * 255) for m in mean]
+    top, left = (side - height) // 2, (side - width) // 2
+    square[top:top + height, left:left + width] = rgb
+    return square
+
+
+def _center_crop(chw: np.ndarray, crop_height: int, crop_width: int) -> np.ndarray:
+    """Center crop of a [C, H, W] array; zero-pads first when the image is smaller than the crop."""
+    _, height, width = chw.shape
+    if height < crop_height or width < crop_width:
+        padded = np.zeros((chw.shape[0], max(height, crop_height), max(width, crop_width)), dtype=chw.dtype)
+        pad_top = math.ceil((padded.shape[1] - height) / 2)
+        pad_left = math.ceil((padded.shape[2] - width) / 2)
+        padded[:, pad_top:pad_top + height, pad_left:pad_left + width] = chw
+        chw, height, width = padded, padded.shape[1], padded.shape[2]
+    top, left = (height - crop_height) // 2, (width - crop_width) // 2
+    return chw[:, top:top + crop_height, left:left + crop_width]
+
+
+def preprocess_clip(rgb: np.ndarray, params: ClipPreprocessParams) -> np.ndarray:
+    """rgb: [H, W, 3] uint8 -> pixel values [3, crop_height, crop_width] float32."""
+    if params.do_pad_to_square:
+        rgb = _pad_to_square(rgb, params.image_mean)
+    if params.do_resize:
+        height, width = _resized_size(rgb.shape[0], rgb.shape[1], params)
+        resized = Image.fromarray(rgb).resize((width, height), resample=params.resample)
+        rgb = np.asarray(resized, dtype=np.uint8)
+    pixels = np.ascontiguousarray(rgb.transpose(2, 0, 1))
+    if params.do_center_crop:
+        pixels = _center_crop(pixels, params.crop_height, params.crop_width)
+    if params.do_rescale:
+        # float64 product then float32, the order HF uses (it changes the last bit)
+        pixels = (pixels.astype(np.float64) * params.rescale_factor).astype(np.float32)
+    else:
+        pixels = pixels.astype(np.float32)
+    if params.do_normalize:
+        mean = np.asarray(params.image_mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(params.image_std, dtype=np.float32)[:, None, None]
+        pixels = (pixels - mean) / std
+    return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def preprocess_params_from_hf_config(config: dict) -> ClipPreprocessParams:
+    """Pick the preprocessing for a Hugging Face ``preprocessor_config.json``.
+
+    Only CLIP-style processors exist so far; Qwen2-VL's dynamic-resolution processor will be a
+    second params class with the same ``preprocess``/``as_dict`` methods.
+    """
+    processor_type = config.get("image_processor_type", "CLIPImageProcessor")
+    if processor_type.removesuffix("Pil").removesuffix("Fast") in ("CLIPImageProcessor", "LlavaImageProcessor"):
+        return ClipPreprocessParams.from_hf_config(config)
+    raise ModelFormatError(f"unsupported image processor {processor_type!r} in preprocessor_config.json")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Deterministic JSON bytes: sorted keys, no spaces, ASCII only, tuples as lists."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def image_key(pixels: ImageInput | np.ndarray, preprocess_params: dict, vision_model_id: str) -> bytes:
+    """The image's cache identity: 32 bytes of sha256.
+
+    Hashes, each length-prefixed: the decoded RGB pixels' shape and bytes ([H, W, 3] uint8, as
+    ``to_rgb_array`` gives), the canonical JSON of ``preprocess_params`` and ``vision_model_id``.
+    Two encodings of the same pixels (PNG vs BMP) share a key; any changed pixel, size, parameter
+    or model gives another.
+    """
+    rgb = to_rgb_array(pixels)
+    digest = hashlib.sha256(_KEY_DOMAIN)
+    for part in (
+        canonical_json(list(rgb.shape)),
+        rgb.tobytes(),
+        canonical_json(preprocess_params),
+        vision_model_id.encode("utf-8"),
+    ):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.digest()
