@@ -61,7 +61,7 @@ struct Rope {
 
 // Destination or source slots of n tokens: slots[i] when `slots` is set, else base + i.
 struct Slots {
-    const int32_t *slots = nullptr; // device int32 [n] or null
+    const int32_t *slots = nullptr; // device int32 [n] or null (the runtime uploads host lists)
     int32_t base = 0;
 };
 

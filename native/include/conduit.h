@@ -20,6 +20,8 @@
  *  - Tensors are raw pointers to contiguous row-major data. Shapes are written [dim0, dim1, ...].
  *    K, V, Q and attention outputs have the arena's dtype; log-sum-exp outputs are float32;
  *    positions and slots are int32.
+ *  - Slot lists are host memory (checked before any work is enqueued); RoPE positions and query
+ *    positions are device memory (they come from the model's forward pass).
  *  - `stream` is a cudaStream_t for the CUDA backend (NULL: the legacy default stream) and is
  *    ignored by the CPU backend. Kernels are enqueued on it; the caller synchronizes.
  *  - A "slot" is the index of a token within one layer of a sequence, in [0, n_tokens(layer)).
@@ -253,7 +255,8 @@ CONDUIT_API size_t conduit_seq_bytes(const conduit_seq *seq);
 /* ============================================================================================ */
 
 /* Writes K and V of n tokens into one layer. k, v: device [n, n_kv_heads, head_dim], arena dtype.
- * slots: device int32 [n], the destination slots (distinct), or NULL for the layer's last n slots.
+ * slots: HOST int32 [n], the destination slots (distinct, in range), or NULL for the layer's last n
+ * slots (host so that the runtime can check them and resolve copy-on-write before launching).
  * rope_pos: device int32 RoPE positions, [n] for NEOX or [3, n] for MROPE (row 0: t, 1: h, 2: w),
  * or NULL to store K as given (no RoPE). A slot in a block shared with another sequence is copied
  * first. Errors: INVALID_ARGUMENT (bad layer or n > n_tokens, rope_pos given but no RoPE set),
@@ -315,7 +318,7 @@ CONDUIT_API int32_t conduit_image_n_tokens(const conduit_image *image);
  * may be NULL), K before RoPE. */
 CONDUIT_API conduit_status conduit_image_read(const conduit_image *image, int32_t layer, void *k_out, void *v_out, void *stream);
 
-/* Restores one layer of the entry into a sequence: token i of the entry goes to slots[i] (device
+/* Restores one layer of the entry into a sequence: token i of the entry goes to slots[i] (host
  * int32 [n_tokens], or NULL: the layer's last n_tokens slots), K rotated at rope_pos (device int32
  * [n_tokens] or [3, n_tokens], NULL: no RoPE) and V as is. Same errors as conduit_seq_write_kv;
  * the entry and the sequence must belong to the same arena. */

@@ -1,0 +1,376 @@
+"""A Pythonic layer over the native KV arena: ``KVArena``, ``Sequence``, ``ImageEntry``.
+
+Tensors go in and out as torch tensors on the arena's device (CPU, or the CUDA device it was made
+on) and in its dtype; every kernel is enqueued on torch's current CUDA stream. Shapes:
+
+- K, V of tokens: ``[n, n_kv_heads, head_dim]``, arena dtype, contiguous.
+- queries and attention output: ``[n_q, n_heads, head_dim]``, arena dtype; log-sum-exp
+  ``[n_q, n_heads]`` float32.
+- RoPE positions: int32 ``[n]`` (rotate-half RoPE) or ``[3, n]`` (M-RoPE) on the arena's device.
+- causal positions, slots: Python ints or int tensors (any device; they are metadata).
+
+Every failure raises a typed ``conduit_rt.errors`` exception and leaves the objects usable.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Sequence as Seq
+
+import torch
+
+from . import native
+from .errors import InvalidArgumentError
+
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ROPE_TYPES = {"none": 0, "neox": 1, "mrope": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaStats:
+    """Exact block and byte counts of an arena (see ``conduit_arena_stats`` in conduit.h)."""
+
+    n_blocks_total: int
+    n_blocks_free: int
+    n_blocks_used: int
+    n_blocks_shared: int
+    n_blocks_image: int
+    n_seqs: int
+    n_image_entries: int
+    n_image_evictions: int
+    block_bytes: int
+    bytes_total: int
+    bytes_used: int
+    image_bytes: int
+
+
+def _int32_host(values: Iterable[int] | torch.Tensor, what: str):
+    """A cffi int32 array (and its length) from ints or an integer tensor on any device."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dim() != 1:
+            raise InvalidArgumentError(f"{what} must be a 1-D integer tensor, got {values.dtype} {list(values.shape)}")
+        values = values.detach().to("cpu", torch.int64).tolist()
+    values = [int(v) for v in values]
+    if any(v < -(2**31) or v >= 2**31 for v in values):
+        raise InvalidArgumentError(f"{what} holds a value outside int32")
+    return native.ffi().new("int32_t[]", values) if values else native.ffi().NULL, len(values)
+
+
+class KVArena:
+    """A fixed pool of KV blocks on one device, with its sequences and image-KV store.
+
+    Args:
+        n_layers, n_kv_heads, head_dim: the model's KV shape.
+        dtype: torch.float32, torch.float16 or torch.bfloat16.
+        device: "cpu" or a CUDA device.
+        block_size: tokens per block (a power of two).
+        kv_bytes: bytes of the pool (all of it is allocated now).
+        image_cache_bytes: LRU byte budget of the image store, carved from the same pool.
+    """
+
+    def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", block_size: int = 16, kv_bytes: int = 64 << 20,
+                 image_cache_bytes: int = 0) -> None:
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"unsupported KV dtype {dtype}; use one of {list(DTYPES)}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"unsupported device {self.device}; use cpu or cuda")
+        self.dtype = dtype
+        self._ffi, self._lib = native.load()
+        params = self._lib.conduit_arena_default_params()
+        params.backend = self._lib.CONDUIT_BACKEND_CUDA if self.device.type == "cuda" else self._lib.CONDUIT_BACKEND_CPU
+        params.device = self.device.index or 0
+        params.dtype = DTYPES[dtype]
+        params.n_layers, params.n_kv_heads, params.head_dim = n_layers, n_kv_heads, head_dim
+        params.block_size, params.kv_bytes, params.image_cache_bytes = block_size, kv_bytes, image_cache_bytes
+        out = self._ffi.new("conduit_arena **")
+        native.check(self._lib.conduit_arena_create(self._ffi.new("conduit_arena_params *", params), out),
+                     "creating the KV arena")
+        self._handle = out[0]
+        self._children: weakref.WeakSet = weakref.WeakSet()
+        p = self._lib.conduit_arena_get_params(self._handle)
+        self.n_layers, self.n_kv_heads, self.head_dim = p.n_layers, p.n_kv_heads, p.head_dim
+        self.block_size, self.kv_bytes, self.image_cache_bytes = p.block_size, p.kv_bytes, p.image_cache_bytes
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise InvalidArgumentError("the arena is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Frees the pool, its sequences and image entries; their Python objects become unusable."""
+        if self._handle is not None:
+            for child in list(self._children):
+                child._detach()
+            self._lib.conduit_arena_free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "KVArena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers used by sequences and entries ------------------------------------------------------
+    def stream(self):
+        """torch's current CUDA stream as a C pointer (NULL for the CPU backend)."""
+        if self.device.type != "cuda":
+            return self._ffi.NULL
+        return self._ffi.cast("void *", torch.cuda.current_stream(self.device).cuda_stream)
+
+    def ptr(self, t: torch.Tensor | None, what: str, shape: Seq[int] | None = None, dtype: torch.dtype | None = None):
+        """Checks a tensor's device, dtype, shape and contiguity; returns its data pointer."""
+        if t is None:
+            return self._ffi.NULL
+        dtype = dtype or self.dtype
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise InvalidArgumentError(f"{what} is on {t.device}, the arena is on {self.device}")
+        if t.dtype != dtype:
+            raise InvalidArgumentError(f"{what} has dtype {t.dtype}, expected {dtype}")
+        if shape is not None and list(t.shape) != list(shape):
+            raise InvalidArgumentError(f"{what} has shape {list(t.shape)}, expected {list(shape)}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{what} must be contiguous")
+        return self._ffi.cast("void *", t.data_ptr())
+
+    def _adopt(self, child) -> None:
+        self._children.add(child)
+
+    # -- arena-wide operations -----------------------------------------------------------------------
+    def set_rope(self, inv_freq: torch.Tensor | Seq[float], kind: str = "neox", sections: Seq[int] = (0, 0, 0),
+                 attention_scaling: float = 1.0) -> None:
+        """Sets the RoPE that ``rope_pos`` arguments use: ``inv_freq`` float32 [n_freq], kind
+        "neox" (rotate-half) or "mrope" (with ``sections`` t, h, w summing to n_freq)."""
+        if kind not in ROPE_TYPES:
+            raise InvalidArgumentError(f"unknown RoPE kind {kind!r}; use one of {list(ROPE_TYPES)}")
+        freqs = torch.as_tensor(inv_freq, dtype=torch.float32).detach().cpu().contiguous()
+        keep = self._ffi.new("float[]", freqs.tolist())
+        rope = self._ffi.new("conduit_rope_params *")
+        rope.type, rope.n_freq, rope.inv_freq = ROPE_TYPES[kind], freqs.numel(), keep
+        rope.sections = list(sections)
+        rope.attention_scaling = float(attention_scaling)
+        native.check(self._lib.conduit_arena_set_rope(self.handle, rope), "setting RoPE")
+
+    def stats(self) -> ArenaStats:
+        out = self._ffi.new("conduit_arena_stats *")
+        native.check(self._lib.conduit_arena_get_stats(self.handle, out))
+        return ArenaStats(**{f: int(getattr(out, f)) for f in ArenaStats.__dataclass_fields__})
+
+    def new_sequence(self) -> "Sequence":
+        out = self._ffi.new("conduit_seq **")
+        native.check(self._lib.conduit_seq_create(self.handle, out), "creating a sequence")
+        return Sequence(self, out[0])
+
+    def create_image(self, key: bytes, n_tokens: int) -> "ImageEntry":
+        """A pending image entry (write every layer, then ``commit``). Raises AlreadyExistsError,
+        ArenaFullError."""
+        out = self._ffi.new("conduit_image **")
+        native.check(self._lib.conduit_image_create(self.handle, _key(key), n_tokens, out), "creating an image entry")
+        return ImageEntry(self, out[0])
+
+    def acquire_image(self, key: bytes) -> "ImageEntry | None":
+        """A reference to the committed entry under ``key`` (marked most recently used), or None."""
+        out = self._ffi.new("conduit_image **")
+        status = self._lib.conduit_image_acquire(self.handle, _key(key), out)
+        if status == self._lib.CONDUIT_ERR_NOT_FOUND:
+            return None
+        native.check(status, "looking up an image entry")
+        return ImageEntry(self, out[0])
+
+    def evict_image(self, key: bytes) -> None:
+        native.check(self._lib.conduit_image_evict(self.handle, _key(key)), "evicting an image entry")
+
+
+def _key(key: bytes):
+    if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
+        raise InvalidArgumentError("an image key is 32 bytes (a sha256 digest)")
+    return native.ffi().new("uint8_t[32]", bytes(key))
+
+
+class _Child:
+    """A native object owned by an arena; detached (unusable) once the arena is closed."""
+
+    def __init__(self, arena: KVArena, handle) -> None:
+        self.arena = arena
+        self._handle = handle
+        self._lib = arena._lib
+        self._ffi = arena._ffi
+        arena._adopt(self)
+
+    def _detach(self) -> None:
+        self._handle = None
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise InvalidArgumentError(f"this {type(self).__name__} was freed (or its arena closed)")
+        return self._handle
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+class Sequence(_Child):
+    """One sequence's KV: per-layer block tables with a stored causal position per token."""
+
+    def free(self) -> None:
+        if self._handle is not None:
+            self._lib.conduit_seq_free(self._handle)
+            self._handle = None
+
+    def n_tokens(self, layer: int = 0) -> int:
+        n = self._lib.conduit_seq_n_tokens(self.handle, layer)
+        if n < 0:
+            raise InvalidArgumentError(f"layer {layer} out of range [0, {self.arena.n_layers})")
+        return n
+
+    def positions(self, layer: int = 0) -> torch.Tensor:
+        """Causal positions of the layer's tokens in slot order: int32 [n_tokens], on the CPU."""
+        n = self.n_tokens(layer)
+        out = torch.empty(n, dtype=torch.int32)
+        native.check(self._lib.conduit_seq_get_positions(self.handle, layer, self._ffi.cast("int32_t *", out.data_ptr()), n))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._lib.conduit_seq_bytes(self.handle))
+
+    def append(self, positions: Iterable[int] | torch.Tensor) -> None:
+        """Adds tokens with these causal positions to every layer (K, V to be written next)."""
+        arr, n = _int32_host(positions, "positions")
+        native.check(self._lib.conduit_seq_append(self.handle, arr, n), "appending tokens")
+
+    def fork(self) -> "Sequence":
+        """A copy-on-write copy sharing this sequence's full blocks."""
+        out = self._ffi.new("conduit_seq **")
+        native.check(self._lib.conduit_seq_fork(self.handle, self.arena.stream(), out), "forking a sequence")
+        return Sequence(self.arena, out[0])
+
+    def truncate(self, p0: int, p1: int = 2**31 - 1) -> None:
+        """Removes the tokens whose position is in [p0, p1) from every layer."""
+        native.check(self._lib.conduit_seq_truncate(self.handle, p0, p1, self.arena.stream()), "truncating")
+
+    def compact(self, layer: int, keep_slots: Iterable[int] | torch.Tensor) -> None:
+        """Keeps only these (strictly increasing) slots of one layer; frees emptied blocks."""
+        arr, n = _int32_host(keep_slots, "keep_slots")
+        native.check(self._lib.conduit_seq_compact(self.handle, layer, arr, n, self.arena.stream()), "compacting")
+
+    def _kv_shape(self, n: int) -> list[int]:
+        return [n, self.arena.n_kv_heads, self.arena.head_dim]
+
+    def _rope_ptr(self, rope_pos: torch.Tensor | None, n: int):
+        if rope_pos is None:
+            return self._ffi.NULL
+        shape = [n] if rope_pos.dim() == 1 else [3, n]
+        return self.arena.ptr(rope_pos, "rope_pos", shape, torch.int32)
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Iterable[int] | torch.Tensor | None = None,
+                 rope_pos: torch.Tensor | None = None) -> None:
+        """Writes K, V [n, n_kv_heads, head_dim] into ``slots`` (default: the layer's last n), rotating
+        K at ``rope_pos`` (int32 [n] or [3, n], arena device) when given."""
+        n = int(k.shape[0]) if isinstance(k, torch.Tensor) and k.dim() > 0 else 0
+        kp = self.arena.ptr(k, "k", self._kv_shape(n))
+        vp = self.arena.ptr(v, "v", self._kv_shape(n))
+        sp = self._ffi.NULL
+        if slots is not None:
+            sp, count = _int32_host(slots, "slots")
+            if count != n:
+                raise InvalidArgumentError(f"{count} slots given for {n} tokens")
+        native.check(self._lib.conduit_seq_write_kv(self.handle, layer, n, kp, vp, sp, self._rope_ptr(rope_pos, n),
+                                                    self.arena.stream()), "writing KV")
+
+    def restore_image(self, layer: int, image: "ImageEntry", slots: Iterable[int] | torch.Tensor | None = None,
+                      rope_pos: torch.Tensor | None = None) -> None:
+        """Writes an image entry's layer into ``slots`` (default: the last n), K rotated at ``rope_pos``."""
+        n = image.n_tokens
+        sp = self._ffi.NULL
+        if slots is not None:
+            sp, count = _int32_host(slots, "slots")
+            if count != n:
+                raise InvalidArgumentError(f"{count} slots given for an image of {n} tokens")
+        native.check(self._lib.conduit_seq_restore_image(self.handle, layer, image.handle, sp,
+                                                         self._rope_ptr(rope_pos, n), self.arena.stream()),
+                     "restoring an image entry")
+
+    def attention(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                  return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Causal-by-position attention of q [n_q, n_heads, head_dim] (positions q_pos int32 [n_q] on
+        the arena device) over the layer. Returns out [n_q, n_heads, head_dim] (and lse float32
+        [n_q, n_heads] natural log)."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise InvalidArgumentError("q must be a [n_q, n_heads, head_dim] tensor")
+        n_q, n_heads = int(q.shape[0]), int(q.shape[1])
+        qp = self.arena.ptr(q, "q", [n_q, n_heads, self.arena.head_dim])
+        pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
+        out = torch.empty_like(q)
+        lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        native.check(self._lib.conduit_seq_attention(
+            self.handle, layer, n_q, n_heads, qp, self._ffi.cast("int32_t *", pp), float(scale),
+            self._ffi.cast("void *", out.data_ptr()),
+            self._ffi.cast("float *", lse.data_ptr()) if lse is not None else self._ffi.NULL,
+            self.arena.stream()), "attention")
+        return (out, lse) if return_lse else out
+
+    def read_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V in slot order: [n_tokens, n_kv_heads, head_dim] each (K as stored)."""
+        n = self.n_tokens(layer)
+        k = torch.empty(self._kv_shape(n), dtype=self.arena.dtype, device=self.arena.device)
+        v = torch.empty_like(k)
+        native.check(self._lib.conduit_seq_read_kv(self.handle, layer, self._ffi.cast("void *", k.data_ptr()),
+                                                   self._ffi.cast("void *", v.data_ptr()), self.arena.stream()))
+        return k, v
+
+
+class ImageEntry(_Child):
+    """A reference to an image-KV entry (pre-RoPE K and V of every layer). Release it when done."""
+
+    def free(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._lib.conduit_image_release(self._handle)
+            self._handle = None
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self._lib.conduit_image_n_tokens(self.handle))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        shape = [self.n_tokens, self.arena.n_kv_heads, self.arena.head_dim]
+        native.check(self._lib.conduit_image_write(self.handle, layer, self.arena.ptr(k, "k", shape),
+                                                   self.arena.ptr(v, "v", shape), self.arena.stream()),
+                     "writing an image entry")
+
+    def commit(self) -> None:
+        native.check(self._lib.conduit_image_commit(self.handle))
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = [self.n_tokens, self.arena.n_kv_heads, self.arena.head_dim]
+        k = torch.empty(shape, dtype=self.arena.dtype, device=self.arena.device)
+        v = torch.empty_like(k)
+        native.check(self._lib.conduit_image_read(self.handle, layer, self._ffi.cast("void *", k.data_ptr()),
+                                                  self._ffi.cast("void *", v.data_ptr()), self.arena.stream()))
+        return k, v

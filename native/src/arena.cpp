@@ -1,0 +1,156 @@
+// arena.cpp: the block pool, block allocation with image eviction, and kernel views.
+#include "arena.h"
+
+#include <algorithm>
+
+#include "error.h"
+
+namespace conduit {
+
+BlockPool::BlockPool(int64_t n_blocks) : refcount_(size_t(n_blocks), 0) {
+    free_.reserve(size_t(n_blocks));
+    // Hand out low block ids first: neighbouring blocks of a sequence then sit close in memory.
+    for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+}
+
+int64_t BlockPool::n_shared() const {
+    return std::count_if(refcount_.begin(), refcount_.end(), [](int32_t r) { return r > 1; });
+}
+
+std::vector<int32_t> BlockPool::take(int64_t n) {
+    if (n > n_free()) fail(CONDUIT_ERR_INTERNAL, "block pool asked for %lld blocks with %lld free", (long long)n,
+                           (long long)n_free());
+    std::vector<int32_t> out(free_.end() - n, free_.end());
+    free_.resize(free_.size() - size_t(n));
+    std::reverse(out.begin(), out.end());
+    for (int32_t b : out) refcount_[b] = 1;
+    return out;
+}
+
+void BlockPool::release(int32_t block) {
+    if (refcount_[block] <= 0) fail(CONDUIT_ERR_INTERNAL, "block %d released more often than taken", block);
+    if (--refcount_[block] == 0) free_.push_back(block);
+}
+
+} // namespace conduit
+
+using namespace conduit;
+
+namespace {
+
+size_t compute_block_bytes(const conduit_arena_params &p) {
+    return size_t(2) * p.n_kv_heads * p.block_size * p.head_dim * conduit_dtype_size(p.dtype);
+}
+
+int64_t compute_n_blocks(const conduit_arena_params &p) {
+    const size_t bb = compute_block_bytes(p);
+    return bb ? int64_t(p.kv_bytes / bb) : 0;
+}
+
+} // namespace
+
+conduit_arena::conduit_arena(const conduit_arena_params &p)
+    : params(p), device(p.backend, p.device), block_bytes(compute_block_bytes(p)), pool(compute_n_blocks(p)) {
+    params.kv_bytes = size_t(pool.n_blocks()) * block_bytes;
+    pool_memory = device.alloc(params.kv_bytes);
+    log(CONDUIT_LOG_INFO, "arena: %lld blocks of %zu bytes (%s)", (long long)pool.n_blocks(), block_bytes,
+        device.is_cuda() ? "cuda" : "cpu");
+}
+
+conduit_arena::~conduit_arena() {
+    for (conduit_image *h : image_handles) delete h;
+    image_handles.clear();
+    for (conduit_seq *s : seqs) {
+        for (auto &layer : s->layers) {
+            layer->blocks.release(device);
+            layer->positions.release(device);
+        }
+        delete s;
+    }
+    seqs.clear();
+    for (auto &kv : images)
+        for (auto &layer : kv.second->layers) {
+            layer->blocks.release(device);
+            layer->positions.release(device);
+        }
+    images.clear();
+    scratch.release(device);
+    device.free(rope_inv_freq);
+    device.free(pool_memory);
+}
+
+void conduit_arena::reserve_blocks(int64_t n) {
+    while (pool.n_free() < n && evict_one_image()) {
+    }
+    if (pool.n_free() < n)
+        fail(CONDUIT_ERR_ARENA_FULL, "KV arena full: %lld blocks needed, %lld free of %lld (%zu bytes each)",
+             (long long)n, (long long)pool.n_free(), (long long)pool.n_blocks(), block_bytes);
+}
+
+std::vector<int32_t> conduit_arena::take_blocks(int64_t n) {
+    reserve_blocks(n);
+    return pool.take(n);
+}
+
+void conduit_arena::release_blocks(std::vector<int32_t> &blocks) {
+    for (int32_t b : blocks) pool.release(b);
+    blocks.clear();
+}
+
+bool conduit_arena::evict_one_image() {
+    ImageEntry *victim = nullptr;
+    for (auto &kv : images) {
+        ImageEntry *e = kv.second.get();
+        if (e->refs == 0 && e->committed && (!victim || e->last_used < victim->last_used)) victim = e;
+    }
+    if (!victim) return false;
+    log(CONDUIT_LOG_DEBUG, "image store: evicting an entry of %d tokens", victim->n_tokens);
+    free_image_entry(victim);
+    ++image_evictions;
+    return true;
+}
+
+void conduit_arena::free_image_entry(ImageEntry *entry) {
+    for (auto &layer : entry->layers) {
+        release_blocks(layer->blocks.host());
+        layer->blocks.release(device);
+    }
+    image_bytes -= size_t(entry->n_blocks) * block_bytes;
+    const std::array<uint8_t, 32> key = entry->key; // erase destroys the entry that holds the key
+    images.erase(key);
+}
+
+kernels::LayerView conduit_arena::view(LayerTable &table, void *stream) {
+    kernels::LayerView v;
+    v.pool = pool_memory;
+    v.block_table = table.blocks.sync(device, stream);
+    v.positions = table.positions.sync(device, stream);
+    v.n_tokens = table.n_tokens();
+    v.n_kv_heads = params.n_kv_heads;
+    v.head_dim = params.head_dim;
+    v.block_size = params.block_size;
+    v.dtype = kernels::DType(params.dtype);
+    return v;
+}
+
+std::vector<const int32_t *> conduit_arena::upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,
+                                                        size_t extra_bytes, void **extra, void *stream) {
+    // Each list starts on a 256-byte boundary so that kernels may use vector loads on it.
+    auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+    size_t total = 0;
+    for (auto &l : lists) total += align(size_t(l.second) * sizeof(int32_t));
+    char *base = static_cast<char *>(scratch.get(device, total + extra_bytes));
+    std::vector<const int32_t *> out;
+    size_t offset = 0;
+    for (auto &l : lists) {
+        if (!l.first) {
+            out.push_back(nullptr);
+            continue;
+        }
+        device.upload(base + offset, l.first, size_t(l.second) * sizeof(int32_t), stream);
+        out.push_back(reinterpret_cast<const int32_t *>(base + offset));
+        offset += align(size_t(l.second) * sizeof(int32_t));
+    }
+    if (extra) *extra = base + align(total);
+    return out;
+}

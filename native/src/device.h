@@ -1,0 +1,83 @@
+// device.h: the backend an arena runs on. Allocation, copies and kernel dispatch go through here so
+// that the rest of the runtime never branches on CPU vs CUDA.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "conduit.h"
+#include "kernels.h"
+
+namespace conduit {
+
+class Device {
+  public:
+    Device(conduit_backend backend, int32_t ordinal);
+
+    conduit_backend backend() const { return backend_; }
+    bool is_cuda() const { return backend_ == CONDUIT_BACKEND_CUDA; }
+
+    void *alloc(size_t bytes) const; // throws Error(OUT_OF_MEMORY)
+    void free(void *ptr) const;
+    void copy(void *dst, const void *src, size_t bytes, void *stream) const;   // device -> device
+    void upload(void *dst, const void *src, size_t bytes, void *stream) const; // host -> device
+
+    void write_dense(const kernels::LayerView &dst, kernels::Slots slots, int32_t n, const void *k, const void *v,
+                     const kernels::Rope &rope, const int32_t *rope_pos, void *stream) const;
+    void copy_paged(const kernels::LayerView &src, kernels::Slots src_slots, const kernels::LayerView &dst,
+                    kernels::Slots dst_slots, int32_t n, const kernels::Rope &rope, const int32_t *rope_pos,
+                    void *stream) const;
+    void read_dense(const kernels::LayerView &src, void *k_out, void *v_out, void *stream) const;
+    void attention(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                   float scale, void *out, float *lse, void *stream) const;
+
+  private:
+    void activate() const; // makes the CUDA device current
+    conduit_backend backend_;
+    int32_t ordinal_;
+};
+
+bool backend_compiled(conduit_backend backend);
+bool backend_available(conduit_backend backend);
+
+// A host int32 array with a device copy that is refreshed lazily: only the entries changed since the
+// last sync are uploaded. For the CPU backend the host array is the device array.
+class MirroredInts {
+  public:
+    MirroredInts() = default;
+    MirroredInts(const MirroredInts &) = delete;
+    MirroredInts &operator=(const MirroredInts &) = delete;
+    ~MirroredInts();
+
+    std::vector<int32_t> &host() { return host_; }
+    const std::vector<int32_t> &host() const { return host_; }
+    // Call after changing host()[i:]: the device copy is refreshed from i on at the next sync.
+    void touched_from(size_t i) { synced_ = synced_ < i ? synced_ : i; }
+    const int32_t *sync(const Device &device, void *stream);
+    void release(const Device &device);
+
+  private:
+    std::vector<int32_t> host_;
+    int32_t *device_ = nullptr;
+    size_t capacity_ = 0;
+    size_t synced_ = 0;
+    const Device *owner_ = nullptr;
+};
+
+// A grow-only device buffer for per-call temporaries (uploaded slot lists, compaction staging).
+// Reuse is ordered by the stream: callers use one stream per arena.
+class Scratch {
+  public:
+    Scratch() = default;
+    Scratch(const Scratch &) = delete;
+    Scratch &operator=(const Scratch &) = delete;
+    void *get(const Device &device, size_t bytes);
+    void release(const Device &device);
+
+  private:
+    void *ptr_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+} // namespace conduit

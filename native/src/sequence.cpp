@@ -1,0 +1,289 @@
+// sequence.cpp: sequences and their per-layer block tables: append, fork (copy-on-write),
+// truncate, compaction, and the kernels that read and write a sequence's KV.
+#include "sequence.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+#include "error.h"
+
+namespace conduit {
+namespace {
+
+int64_t blocks_for(int64_t n_tokens, int32_t block_size) { return (n_tokens + block_size - 1) / block_size; }
+
+LayerTable &layer_of(conduit_seq *seq, int32_t layer) {
+    CONDUIT_REQUIRE(layer >= 0 && layer < int32_t(seq->layers.size()), "layer %d out of range [0, %zu)", layer,
+                    seq->layers.size());
+    return *seq->layers[size_t(layer)];
+}
+
+// Block indices (into a layer's table) touched by writing the given slots (or the last n slots).
+std::set<int64_t> touched_blocks(const LayerTable &t, const int32_t *slots, int32_t n, int32_t block_size) {
+    std::set<int64_t> out;
+    const int32_t base = t.n_tokens() - n;
+    for (int32_t i = 0; i < n; ++i) out.insert((slots ? slots[i] : base + i) / block_size);
+    return out;
+}
+
+int64_t count_shared(conduit_arena *arena, const LayerTable &t, const std::set<int64_t> &block_indices) {
+    int64_t n = 0;
+    for (int64_t bi : block_indices) n += arena->pool.refcount(t.blocks.host()[size_t(bi)]) > 1;
+    return n;
+}
+
+// Gives the layer its own copy of each shared block among `block_indices`, taking the new blocks from
+// `fresh` (enough of them were reserved by the caller). With copy=false the old content is not copied
+// (the caller overwrites the whole block).
+void make_exclusive(conduit_arena *arena, LayerTable &t, const std::set<int64_t> &block_indices,
+                    std::vector<int32_t> &fresh, bool copy, void *stream) {
+    auto &blocks = t.blocks.host();
+    for (int64_t bi : block_indices) {
+        const int32_t old = blocks[size_t(bi)];
+        if (arena->pool.refcount(old) <= 1) continue;
+        const int32_t replacement = fresh.back();
+        fresh.pop_back();
+        if (copy) {
+            char *pool = static_cast<char *>(arena->pool_memory);
+            arena->device.copy(pool + size_t(replacement) * arena->block_bytes, pool + size_t(old) * arena->block_bytes,
+                               arena->block_bytes, stream);
+        }
+        arena->pool.release(old);
+        blocks[size_t(bi)] = replacement;
+        t.blocks.touched_from(size_t(bi));
+    }
+}
+
+void check_slots(const LayerTable &t, const int32_t *slots, int32_t n) {
+    if (!slots) return;
+    std::vector<int32_t> sorted(slots, slots + n);
+    std::sort(sorted.begin(), sorted.end());
+    for (int32_t i = 0; i < n; ++i) {
+        CONDUIT_REQUIRE(sorted[size_t(i)] >= 0 && sorted[size_t(i)] < t.n_tokens(), "slot %d out of range [0, %d)",
+                        sorted[size_t(i)], t.n_tokens());
+        CONDUIT_REQUIRE(i == 0 || sorted[size_t(i)] != sorted[size_t(i - 1)], "slot %d given twice", sorted[size_t(i)]);
+    }
+}
+
+kernels::Rope rope_for(conduit_arena *arena, const int32_t *rope_pos) {
+    if (!rope_pos) return kernels::Rope{};
+    CONDUIT_REQUIRE(arena->rope.type != CONDUIT_ROPE_NONE,
+                    "RoPE positions were given but the arena has no RoPE (call conduit_arena_set_rope)");
+    return arena->rope;
+}
+
+// Prepares the destination of a write of n tokens: checks the slots, resolves copy-on-write, uploads
+// the slot list. Throws before changing anything.
+kernels::Slots prepare_write(conduit_seq *seq, LayerTable &t, int32_t n, const int32_t *slots, void *stream) {
+    conduit_arena *arena = seq->arena;
+    CONDUIT_REQUIRE(n >= 0 && n <= t.n_tokens(), "cannot write %d tokens into a layer of %d", n, t.n_tokens());
+    check_slots(t, slots, n);
+    const auto touched = touched_blocks(t, slots, n, arena->params.block_size);
+    std::vector<int32_t> fresh = arena->take_blocks(count_shared(arena, t, touched));
+    make_exclusive(arena, t, touched, fresh, true, stream);
+    if (!slots) return kernels::Slots{nullptr, t.n_tokens() - n};
+    return kernels::Slots{arena->upload_ints({{slots, n}}, 0, nullptr, stream)[0], 0};
+}
+
+// Keeps the given (validated, strictly increasing) slots of a layer. `fresh` holds enough reserved
+// blocks for the shared blocks among the first ceil(m / block_size).
+void compact_layer(conduit_seq *seq, LayerTable &t, const int32_t *keep, int32_t m, std::vector<int32_t> &fresh,
+                   void *stream) {
+    conduit_arena *arena = seq->arena;
+    const int32_t bs = arena->params.block_size;
+    const int64_t new_nb = blocks_for(m, bs);
+    auto &blocks = t.blocks.host();
+    auto &positions = t.positions.host();
+    bool is_prefix = true;
+    for (int32_t i = 0; i < m && is_prefix; ++i) is_prefix = keep[i] == i;
+    if (!is_prefix && m > 0) {
+        // Stage the kept tokens in scratch (gathered densely as blocks 0..new_nb-1), then write them back
+        // to the front of the layer: reads and writes never overlap, whatever the order of `keep`.
+        std::vector<int32_t> identity(static_cast<size_t>(new_nb));
+        std::iota(identity.begin(), identity.end(), 0);
+        void *staging = nullptr;
+        auto lists = arena->upload_ints({{keep, m}, {identity.data(), int32_t(new_nb)}},
+                                        size_t(new_nb) * arena->block_bytes, &staging, stream);
+        kernels::LayerView src = arena->view(t, stream);
+        kernels::LayerView stage = src;
+        stage.pool = staging;
+        stage.block_table = lists[1];
+        stage.positions = nullptr;
+        arena->device.copy_paged(src, kernels::Slots{lists[0], 0}, stage, kernels::Slots{}, m, kernels::Rope{},
+                                 nullptr, stream);
+        std::set<int64_t> front;
+        for (int64_t bi = 0; bi < new_nb; ++bi) front.insert(bi);
+        make_exclusive(arena, t, front, fresh, false, stream);
+        kernels::LayerView dst = arena->view(t, stream);
+        arena->device.copy_paged(stage, kernels::Slots{}, dst, kernels::Slots{}, m, kernels::Rope{}, nullptr, stream);
+        std::vector<int32_t> kept_positions(static_cast<size_t>(m));
+        for (int32_t i = 0; i < m; ++i) kept_positions[size_t(i)] = positions[size_t(keep[i])];
+        positions.swap(kept_positions);
+        t.positions.touched_from(0);
+    } else {
+        positions.resize(size_t(m));
+    }
+    std::vector<int32_t> tail(blocks.begin() + new_nb, blocks.end());
+    blocks.resize(size_t(new_nb));
+    arena->release_blocks(tail);
+}
+
+int64_t compact_need(conduit_arena *arena, const LayerTable &t, const int32_t *keep, int32_t m) {
+    bool is_prefix = true;
+    for (int32_t i = 0; i < m && is_prefix; ++i) is_prefix = keep[i] == i;
+    if (is_prefix) return 0;
+    std::set<int64_t> front;
+    for (int64_t bi = 0; bi < blocks_for(m, arena->params.block_size); ++bi) front.insert(bi);
+    return count_shared(arena, t, front);
+}
+
+} // namespace
+
+conduit_seq *seq_create(conduit_arena *arena) {
+    auto seq = std::make_unique<conduit_seq>();
+    seq->arena = arena;
+    for (int32_t l = 0; l < arena->params.n_layers; ++l) seq->layers.push_back(std::make_unique<LayerTable>());
+    conduit_seq *raw = seq.release();
+    arena->seqs.insert(raw);
+    return raw;
+}
+
+void seq_free(conduit_seq *seq) {
+    conduit_arena *arena = seq->arena;
+    for (auto &layer : seq->layers) {
+        arena->release_blocks(layer->blocks.host());
+        layer->blocks.release(arena->device);
+        layer->positions.release(arena->device);
+    }
+    arena->seqs.erase(seq);
+    delete seq;
+}
+
+conduit_seq *seq_fork(conduit_seq *seq, void *stream) {
+    conduit_arena *arena = seq->arena;
+    const int32_t bs = arena->params.block_size;
+    int64_t partial = 0;
+    for (auto &layer : seq->layers) partial += layer->n_tokens() % bs != 0;
+    std::vector<int32_t> fresh = arena->take_blocks(partial);
+    conduit_seq *child = seq_create(arena);
+    char *pool = static_cast<char *>(arena->pool_memory);
+    for (size_t l = 0; l < seq->layers.size(); ++l) {
+        const LayerTable &src = *seq->layers[l];
+        LayerTable &dst = *child->layers[l];
+        dst.positions.host() = src.positions.host();
+        dst.blocks.host() = src.blocks.host();
+        const int64_t n_full = src.n_tokens() / bs;
+        for (int64_t bi = 0; bi < n_full; ++bi) arena->pool.retain(src.blocks.host()[size_t(bi)]);
+        if (src.n_tokens() % bs != 0) {
+            const int32_t old = src.blocks.host()[size_t(n_full)];
+            const int32_t copy = fresh.back();
+            fresh.pop_back();
+            arena->device.copy(pool + size_t(copy) * arena->block_bytes, pool + size_t(old) * arena->block_bytes,
+                               arena->block_bytes, stream);
+            dst.blocks.host()[size_t(n_full)] = copy;
+        }
+    }
+    return child;
+}
+
+void seq_append(conduit_seq *seq, const conduit_pos *positions, int32_t n) {
+    conduit_arena *arena = seq->arena;
+    const int32_t bs = arena->params.block_size;
+    CONDUIT_REQUIRE(n >= 0, "cannot append %d tokens", n);
+    CONDUIT_REQUIRE(n == 0 || positions, "positions is NULL");
+    int64_t need = 0;
+    for (auto &layer : seq->layers)
+        need += blocks_for(int64_t(layer->n_tokens()) + n, bs) - int64_t(layer->blocks.host().size());
+    std::vector<int32_t> fresh = arena->take_blocks(need);
+    for (auto &layer : seq->layers) {
+        auto &blocks = layer->blocks.host();
+        const int64_t want = blocks_for(int64_t(layer->n_tokens()) + n, bs);
+        while (int64_t(blocks.size()) < want) {
+            blocks.push_back(fresh.back());
+            fresh.pop_back();
+        }
+        layer->positions.host().insert(layer->positions.host().end(), positions, positions + n);
+    }
+}
+
+void seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream) {
+    CONDUIT_REQUIRE(p0 <= p1, "empty or reversed position range [%d, %d)", p0, p1);
+    conduit_arena *arena = seq->arena;
+    std::vector<std::vector<int32_t>> keeps;
+    int64_t need = 0;
+    for (auto &layer : seq->layers) {
+        std::vector<int32_t> keep;
+        const auto &pos = layer->positions.host();
+        for (int32_t s = 0; s < layer->n_tokens(); ++s)
+            if (pos[size_t(s)] < p0 || pos[size_t(s)] >= p1) keep.push_back(s);
+        need += compact_need(arena, *layer, keep.data(), int32_t(keep.size()));
+        keeps.push_back(std::move(keep));
+    }
+    std::vector<int32_t> fresh = arena->take_blocks(need);
+    for (size_t l = 0; l < seq->layers.size(); ++l) {
+        if (int32_t(keeps[l].size()) == seq->layers[l]->n_tokens()) continue;
+        compact_layer(seq, *seq->layers[l], keeps[l].data(), int32_t(keeps[l].size()), fresh, stream);
+    }
+}
+
+void seq_compact(conduit_seq *seq, int32_t layer, const int32_t *keep, int32_t m, void *stream) {
+    LayerTable &t = layer_of(seq, layer);
+    CONDUIT_REQUIRE(m >= 0 && m <= t.n_tokens(), "cannot keep %d of %d tokens", m, t.n_tokens());
+    CONDUIT_REQUIRE(m == 0 || keep, "keep_slots is NULL");
+    for (int32_t i = 0; i < m; ++i) {
+        CONDUIT_REQUIRE(keep[i] >= 0 && keep[i] < t.n_tokens(), "slot %d out of range [0, %d)", keep[i], t.n_tokens());
+        CONDUIT_REQUIRE(i == 0 || keep[i] > keep[i - 1], "keep_slots must be strictly increasing (slot %d after %d)",
+                        keep[i], keep[i - 1]);
+    }
+    if (m == t.n_tokens()) return;
+    std::vector<int32_t> fresh = seq->arena->take_blocks(compact_need(seq->arena, t, keep, m));
+    compact_layer(seq, t, keep, m, fresh, stream);
+}
+
+void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, const void *v, const int32_t *slots,
+                  const int32_t *rope_pos, void *stream) {
+    LayerTable &t = layer_of(seq, layer);
+    if (n == 0) return;
+    CONDUIT_REQUIRE(k && v, "k and v must not be NULL");
+    const kernels::Rope rope = rope_for(seq->arena, rope_pos);
+    const kernels::Slots dst_slots = prepare_write(seq, t, n, slots, stream);
+    seq->arena->device.write_dense(seq->arena->view(t, stream), dst_slots, n, k, v, rope, rope_pos, stream);
+}
+
+void seq_restore_image(conduit_seq *seq, int32_t layer, LayerTable &image_layer, const int32_t *slots,
+                       const int32_t *rope_pos, void *stream) {
+    LayerTable &t = layer_of(seq, layer);
+    const int32_t n = image_layer.n_tokens();
+    const kernels::Rope rope = rope_for(seq->arena, rope_pos);
+    const kernels::Slots dst_slots = prepare_write(seq, t, n, slots, stream);
+    conduit_arena *arena = seq->arena;
+    arena->device.copy_paged(arena->view(image_layer, stream), kernels::Slots{}, arena->view(t, stream), dst_slots, n,
+                             rope, rope_pos, stream);
+}
+
+void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                   float scale, void *out, float *lse, void *stream) {
+    LayerTable &t = layer_of(seq, layer);
+    const int32_t hk = seq->arena->params.n_kv_heads;
+    CONDUIT_REQUIRE(n_q >= 0, "n_q = %d", n_q);
+    CONDUIT_REQUIRE(n_heads > 0 && n_heads % hk == 0, "n_heads = %d is not a positive multiple of n_kv_heads = %d",
+                    n_heads, hk);
+    if (n_q == 0) return;
+    CONDUIT_REQUIRE(q && q_pos && out, "q, q_pos and out must not be NULL");
+    seq->arena->device.attention(seq->arena->view(t, stream), n_q, n_heads, q, q_pos, scale, out, lse, stream);
+}
+
+void seq_read_kv(conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream) {
+    LayerTable &t = layer_of(seq, layer);
+    if (t.n_tokens() == 0 || (!k_out && !v_out)) return;
+    seq->arena->device.read_dense(seq->arena->view(t, stream), k_out, v_out, stream);
+}
+
+size_t seq_bytes(const conduit_seq *seq) {
+    size_t n = 0;
+    for (auto &layer : seq->layers) n += layer->blocks.host().size();
+    return n * seq->arena->block_bytes;
+}
+
+} // namespace conduit

@@ -1,0 +1,24 @@
+// sequence.h: operations on sequences (see conduit.h for their contracts). Each throws
+// conduit::Error before changing anything when an argument is bad or the arena is full.
+#pragma once
+
+#include "arena.h"
+
+namespace conduit {
+
+conduit_seq *seq_create(conduit_arena *arena);
+void seq_free(conduit_seq *seq);
+conduit_seq *seq_fork(conduit_seq *seq, void *stream);
+void seq_append(conduit_seq *seq, const conduit_pos *positions, int32_t n);
+void seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream);
+void seq_compact(conduit_seq *seq, int32_t layer, const int32_t *keep, int32_t n_keep, void *stream);
+void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, const void *v, const int32_t *slots,
+                  const int32_t *rope_pos, void *stream);
+void seq_restore_image(conduit_seq *seq, int32_t layer, LayerTable &image_layer, const int32_t *slots,
+                       const int32_t *rope_pos, void *stream);
+void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                   float scale, void *out, float *lse, void *stream);
+void seq_read_kv(conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream);
+size_t seq_bytes(const conduit_seq *seq);
+
+} // namespace conduit
