@@ -1,0 +1,30 @@
+"""conduit-rt: a compact runtime for vision-language models that see the same images again and again.
+
+``Runtime`` loads a converted model and answers chat requests; ``KVArena`` is the native KV cache.
+"""
+from __future__ import annotations
+
+from .errors import (  # noqa: F401
+    ArenaFullError,
+    ConduitError,
+    InvalidArgumentError,
+    ModelFormatError,
+    NativeError,
+    RequestError,
+    UnsupportedArchitectureError,
+)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Heavy pieces load on first use, so that `import conduit_rt` stays cheap.
+    if name == "Runtime":
+        from .runtime import Runtime
+
+        return Runtime
+    if name in ("KVArena", "Sequence", "ImageEntry", "ArenaStats"):
+        from . import arena
+
+        return getattr(arena, name)
+    raise AttributeError(f"module 'conduit_rt' has no attribute {name!r}")
