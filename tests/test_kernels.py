@@ -1,0 +1,184 @@
+"""Each native kernel against a plain-torch reference, on random inputs, over a grid of shapes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conduit_rt.arena import KVArena
+
+from . import reference
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_arena(device: str, dtype: torch.dtype, n_kv_heads: int, head_dim: int, block_size: int, n_layers: int = 2,
+               **kw) -> KVArena:
+    return KVArena(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+                   block_size=block_size, kv_bytes=8 << 20, **kw)
+
+
+def rand(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+ATTENTION_GRID = [
+    # n_kv_heads, group, head_dim, block_size, n_tokens, n_q
+    (1, 1, 64, 16, 1, 1),
+    (2, 4, 64, 16, 37, 1),
+    (2, 2, 128, 8, 100, 13),
+    (4, 1, 128, 32, 65, 65),
+    (1, 8, 64, 1, 19, 7),
+    (8, 4, 128, 16, 300, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_kv_heads,group,head_dim,block_size,n_tokens,n_q", ATTENTION_GRID)
+def test_attention_matches_sdpa_reference(device, dtype, n_kv_heads, group, head_dim, block_size, n_tokens, n_q):
+    gen = torch.Generator().manual_seed(n_tokens * 31 + n_q)
+    arena = make_arena(device, dtype, n_kv_heads, head_dim, block_size)
+    seq = arena.new_sequence()
+    # Scattered, repeated and unsorted positions: causality is by stored position, not by slot.
+    k_pos = torch.randint(0, n_tokens, (n_tokens,), generator=gen, dtype=torch.int32)
+    seq.append(k_pos)
+    k = rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen)
+    v = rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen)
+    seq.write_kv(1, k, v)
+    q = rand((n_q, n_kv_heads * group, head_dim), dtype, device, gen)
+    q_pos = torch.randint(-1, n_tokens + 1, (n_q,), generator=gen, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    out, lse = seq.attention(1, q, q_pos.to(device), scale, return_lse=True)
+
+    ref_out, ref_lse = reference.attention(q.cpu(), k.cpu(), v.cpu(), q_pos, k_pos, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_of_a_query_that_sees_nothing_is_zero_with_lse_minus_inf(device, dtype):
+    arena = make_arena(device, dtype, 2, 64, 16)
+    seq = arena.new_sequence()
+    seq.append(range(10, 20))
+    gen = torch.Generator().manual_seed(1)
+    seq.write_kv(0, rand((10, 2, 64), dtype, device, gen), rand((10, 2, 64), dtype, device, gen))
+    out, lse = seq.attention(0, rand((2, 4, 64), dtype, device, gen), torch.tensor([3, 9], dtype=torch.int32, device=device),
+                             0.125, return_lse=True)
+    assert torch.all(out.cpu() == 0)
+    assert torch.all(torch.isneginf(lse.cpu()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,n_freq,block_size", [(64, 32, 16), (128, 64, 8), (128, 32, 4)])
+def test_write_kv_applies_rotate_half_rope(device, dtype, head_dim, n_freq, block_size):
+    gen = torch.Generator().manual_seed(head_dim + n_freq)
+    arena = make_arena(device, dtype, 2, head_dim, block_size)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * n_freq, 2, dtype=torch.float32) / (2 * n_freq)))
+    arena.set_rope(inv_freq, "neox", attention_scaling=0.9)
+    seq = arena.new_sequence()
+    n = 23
+    seq.append(range(n))
+    k, v = rand((n, 2, head_dim), dtype, device, gen), rand((n, 2, head_dim), dtype, device, gen)
+    rope_pos = torch.randint(0, 5000, (n,), generator=gen, dtype=torch.int32)
+    seq.write_kv(0, k, v, rope_pos=rope_pos.to(device))
+    k_out, v_out = seq.read_kv(0)
+    expected = reference.rope(k, rope_pos, inv_freq, scaling=0.9)
+    torch.testing.assert_close(k_out.cpu().double(), expected, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    assert torch.equal(v_out.cpu(), v.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mrope_matches_transformers_qwen2vl_rotary_embedding(device, dtype):
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, n_kv, n = 128, 2, 29
+    sections = [16, 24, 24]
+    config = Qwen2VLTextConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=n_kv,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections})
+    rotary = Qwen2VLRotaryEmbedding(config)
+    gen = torch.Generator().manual_seed(7)
+    rope_pos = torch.randint(0, 300, (3, n), generator=gen, dtype=torch.int32)
+    k = rand((n, n_kv, head_dim), dtype, device, gen)
+    cos, sin = rotary(k.cpu().float(), rope_pos.long()[:, None, :])  # [1, n, d] each
+    expected, _ = apply_rotary_pos_emb(k.cpu().double().transpose(0, 1)[None], k.cpu().double().transpose(0, 1)[None],
+                                       cos.double(), sin.double())
+    expected = expected[0].transpose(0, 1)
+
+    arena = make_arena(device, dtype, n_kv, head_dim, 16)
+    arena.set_rope(rotary.inv_freq, "mrope", sections=sections)
+    seq = arena.new_sequence()
+    seq.append(range(n))
+    seq.write_kv(0, k, k.clone(), rope_pos=rope_pos.to(device))
+    k_out, _ = seq.read_kv(0)
+    torch.testing.assert_close(k_out.cpu().double(), expected, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["neox", "mrope"])
+def test_restore_image_equals_writing_k_at_the_new_positions(device, dtype, kind):
+    """Restoring pre-RoPE image KV with RoPE at new positions equals computing K there directly."""
+    gen = torch.Generator().manual_seed(11)
+    head_dim, n_img = 64, 21
+    arena = make_arena(device, dtype, 2, head_dim, 8, image_cache_bytes=1 << 20)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    sections = (8, 12, 12)
+    arena.set_rope(inv_freq, kind, sections=sections if kind == "mrope" else (0, 0, 0))
+    k, v = rand((n_img, 2, head_dim), dtype, device, gen), rand((n_img, 2, head_dim), dtype, device, gen)
+    entry = arena.create_image(bytes(range(32)), n_img)
+    for layer in range(arena.n_layers):
+        entry.write(layer, k, v)
+    entry.commit()
+    shape = (n_img,) if kind == "neox" else (3, n_img)
+    rope_pos = torch.randint(0, 1000, shape, generator=gen, dtype=torch.int32).to(device)
+
+    restored, direct = arena.new_sequence(), arena.new_sequence()
+    for seq in (restored, direct):
+        seq.append(range(5))
+        seq.append(range(5, 5 + n_img))
+    slots = torch.randperm(n_img, generator=gen) + 5  # scattered destination slots
+    restored.restore_image(1, entry, slots=slots, rope_pos=rope_pos)
+    inverse = torch.argsort(slots)
+    direct.write_kv(1, k[inverse.to(device)].contiguous(), v[inverse.to(device)].contiguous(),
+                    slots=slots[inverse], rope_pos=rope_pos[..., inverse.to(device)].contiguous())
+    k_r, v_r = restored.read_kv(1)
+    k_d, v_d = direct.read_kv(1)
+    assert torch.equal(k_r[5:].cpu(), k_d[5:].cpu())
+    assert torch.equal(v_r[5:].cpu(), v_d[5:].cpu())
+    # and both equal the reference rotation
+    expected = reference.rope(k, rope_pos, inv_freq, sections if kind == "mrope" else None)
+    torch.testing.assert_close(k_r[slots].cpu().double(), expected, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    assert torch.equal(entry.read(1)[0].cpu(), k.cpu())  # the entry keeps pre-RoPE K
+    entry.release()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_compact_keeps_the_chosen_tokens_and_frees_blocks(device, dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    arena = make_arena(device, dtype, 2, 64, block_size)
+    seq = arena.new_sequence()
+    n = 53
+    positions = torch.arange(100, 100 + n, dtype=torch.int32)
+    seq.append(positions)
+    k, v = rand((n, 2, 64), dtype, device, gen), rand((n, 2, 64), dtype, device, gen)
+    seq.write_kv(0, k, v)
+    used_before = arena.stats().n_blocks_used
+    keep = torch.sort(torch.randperm(n, generator=gen)[:11]).values
+    seq.compact(0, keep)
+    k_c, v_c = seq.read_kv(0)
+    assert torch.equal(k_c.cpu(), k.cpu()[keep]) and torch.equal(v_c.cpu(), v.cpu()[keep])
+    assert torch.equal(seq.positions(0), positions[keep])
+    assert seq.n_tokens(1) == n  # other layers untouched
+    freed = -(-n // block_size) - (-(-11 // block_size))
+    assert arena.stats().n_blocks_used == used_before - freed
+    # attention over the compacted layer equals attention over the kept subset
+    q = rand((3, 4, 64), dtype, device, gen)
+    q_pos = torch.tensor([120, 130, 160], dtype=torch.int32)
+    out = seq.attention(0, q, q_pos.to(device), 0.125)
+    ref, _ = reference.attention(q.cpu(), k.cpu()[keep], v.cpu()[keep], q_pos, positions[keep], 0.125)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
