@@ -1,0 +1,67 @@
+"""Next-token sampling: greedy, temperature and nucleus (top-p), seeded, on the logits' device."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 is greedy; top_p in (0, 1] keeps the smallest set of tokens whose probability
+    mass reaches top_p; seed makes sampling repeatable; stop strings end the text before them.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise RequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def build(cls, max_tokens: int, temperature: float, top_p: float, seed: int | None,
+              stop: str | list[str] | tuple[str, ...] | None) -> "SamplingParams":
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise RequestError("stop must be a non-empty string or a list of them")
+        return cls(int(max_tokens), float(temperature), float(top_p), seed, stops)
+
+
+class Sampler:
+    """Draws tokens for one request; holds its own generator so that a seed is reproducible."""
+
+    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+        self.params = params
+        self.generator = None
+        if params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: float32 [vocab] -> int64 scalar tensor (on the same device, no host sync)."""
+        if self.params.temperature == 0:
+            return torch.argmax(logits)
+        probs = torch.softmax(logits / self.params.temperature, dim=-1)
+        if self.params.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep a token if the mass before it is still below top_p (the first token always stays)
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_probs = torch.where(mass_before < self.params.top_p, sorted_probs, torch.zeros_like(sorted_probs))
+            choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
+            return order[choice[0]]
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
