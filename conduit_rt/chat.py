@@ -8,14 +8,16 @@ messages (image payloads become inert placeholders). The text is tokenized as Hu
 processor does after ``apply_chat_template``: without adding BOS when the template already wrote
 it. Each image placeholder token is then expanded to the image's number of tokens.
 """
+
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Union
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -28,7 +30,7 @@ from conduit_rt.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-ImagePayload = Union[str, bytes, Image.Image]
+ImagePayload = str | os.PathLike | bytes | Image.Image
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ class ImageSlot:
     n_tokens: int
 
 
-Segment = Union[TextRun, ImageSlot]
+Segment = TextRun | ImageSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +93,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers' tojson: no HTML escaping, unlike jinja's own filter
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format_string: str) -> str:
@@ -114,20 +123,26 @@ class ChatTemplate:
         try:
             self._template = environment.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as error:
-            raise ModelFormatError(f"chat template does not compile (line {error.lineno}): {error}") from error
+            raise ModelFormatError(
+                f"chat template does not compile (line {error.lineno}): {error}"
+            ) from error
         self.source = source
 
-    def render(self, messages: list[dict], special_tokens: Mapping[str, str],
-               add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        special_tokens: Mapping[str, str],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """Render plain messages; ``special_tokens`` gives ``bos_token``, ``eos_token``, ...
 
         A template's ``raise_exception`` becomes a ``RequestError``.
         """
-        variables = {**special_tokens, **_plain(template_kwargs)}
+        variables = {"tools": None, "documents": None, **special_tokens, **_plain(template_kwargs)}
         try:
             return self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **variables,
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.exceptions.TemplateError as error:
             raise RequestError(f"the chat template rejected the messages: {error}") from error
@@ -135,8 +150,11 @@ class ChatTemplate:
 
 def _plain(value: Any) -> Any:
     """What a template may see: JSON types only; anything else (images, arrays) a placeholder."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or type(value) in (bool, int, float, str):
         return value
+    for json_type in (bool, int, float, str):  # subclasses (enums, numpy scalars) back to the base type
+        if isinstance(value, json_type):
+            return json_type(value) if json_type is not str else str.__str__(value)
     if isinstance(value, Mapping):
         return {str(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -146,14 +164,18 @@ def _plain(value: Any) -> Any:
 
 def _check_part(part: Any, where: str) -> None:
     if not isinstance(part, Mapping):
-        raise RequestError(f"{where} must be a dict like {{'type': 'text', 'text': ...}}, got {type(part).__name__}")
+        raise RequestError(
+            f"{where} must be a dict like {{'type': 'text', 'text': ...}}, got {type(part).__name__}"
+        )
     kind = part.get("type")
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise RequestError(f"{where} is a text part without a string 'text'")
     elif kind == "image":
         payload = part.get("image")
-        if not isinstance(payload, (str, bytes, Image.Image)) or (isinstance(payload, (str, bytes)) and not payload):
+        if not isinstance(payload, (str, os.PathLike, bytes, Image.Image)) or (
+            isinstance(payload, (str, bytes)) and not payload
+        ):
             raise RequestError(f"{where} is an image part whose 'image' is not a path, bytes or a PIL.Image")
     else:
         raise RequestError(f"{where} has type {kind!r}; supported part types are 'text' and 'image'")
@@ -191,12 +213,15 @@ def _per_image_counts(tokens_per_image: int | Sequence[int], num_images: int) ->
     else:
         counts = [int(count) for count in tokens_per_image]
     if len(counts) != num_images or any(count < 1 for count in counts):
-        raise RequestError(f"need one positive token count per image ({num_images} images), got {tokens_per_image!r}")
+        raise RequestError(
+            f"need one positive token count per image ({num_images} images), got {tokens_per_image!r}"
+        )
     return counts
 
 
-def expand_image_tokens(token_ids: list[int], image_token_id: int,
-                        counts: Sequence[int]) -> tuple[list[int], tuple[Segment, ...]]:
+def expand_image_tokens(
+    token_ids: list[int], image_token_id: int, counts: Sequence[int]
+) -> tuple[list[int], tuple[Segment, ...]]:
     """Replace the i-th ``image_token_id`` by ``counts[i]`` copies; segments tile the result."""
     expanded: list[int] = []
     segments: list[Segment] = []
@@ -234,8 +259,9 @@ def build_prompt(
     one per image in order (dynamic-resolution models).
     """
     plain_messages, images = validate_messages(messages)
-    text = template.render(plain_messages, tokenizer.special_tokens.as_template_vars(),
-                           add_generation_prompt, **template_kwargs)
+    text = template.render(
+        plain_messages, tokenizer.special_tokens.as_template_vars(), add_generation_prompt, **template_kwargs
+    )
     bos = tokenizer.special_tokens.bos_token
     # as HF's processor after apply_chat_template: no second BOS when the template wrote one
     token_ids = tokenizer.encode(text, add_special_tokens=not (bos is not None and text.startswith(bos)))
@@ -246,5 +272,7 @@ def build_prompt(
             f"do not write the image token ({tokenizer.id_to_token(image_token_id)!r}) in message text, "
             "and use a chat template that renders image parts"
         )
-    expanded, segments = expand_image_tokens(token_ids, image_token_id, _per_image_counts(tokens_per_image, len(images)))
+    expanded, segments = expand_image_tokens(
+        token_ids, image_token_id, _per_image_counts(tokens_per_image, len(images))
+    )
     return Prompt(token_ids=expanded, segments=segments, images=tuple(images), text=text)

@@ -11,6 +11,7 @@ resizes with torch's antialiased bicubic and differs from PIL by up to a few 1e-
 Identity (METHODS.md §1 step 1): ``image_key`` is sha256 over the decoded RGB pixels and their
 size, the canonical JSON of the preprocessing parameters and the vision-model id.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -30,7 +31,7 @@ from conduit_rt.errors import ModelFormatError, RequestError
 
 logger = logging.getLogger(__name__)
 
-ImageInput = Union[str, os.PathLike, bytes, Image.Image]
+ImageInput = str | os.PathLike | bytes | Image.Image
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -71,7 +72,9 @@ def to_rgb_array(image: ImageInput | np.ndarray) -> np.ndarray:
     """
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-            raise RequestError(f"a pixel array must be [height, width, 3] uint8, got {image.shape} {image.dtype}")
+            raise RequestError(
+                f"a pixel array must be [height, width, 3] uint8, got {image.shape} {image.dtype}"
+            )
         return np.ascontiguousarray(image)
     pil = load_image(image)
     if "A" in pil.getbands() or pil.info.get("transparency") is not None:
@@ -107,10 +110,12 @@ class ClipPreprocessParams:
         if self.resize_to[0] not in ("shortest_edge", "exact") or min(self.resize_to[1:]) < 1:
             raise ModelFormatError(f"unsupported image resize target {self.resize_to!r}")
         if min(self.crop_height, self.crop_width) < 1:
-            raise ModelFormatError(f"image crop size must be positive, got {self.crop_height}x{self.crop_width}")
+            raise ModelFormatError(
+                f"image crop size must be positive, got {self.crop_height}x{self.crop_width}"
+            )
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ClipPreprocessParams":
+    def from_hf_config(cls, config: dict) -> ClipPreprocessParams:
         """From a Hugging Face ``preprocessor_config.json`` (CLIPImageProcessor or LlavaImageProcessor)."""
         size = config.get("size", {"shortest_edge": 224})
         if isinstance(size, int):  # old configs: an int means the shortest edge (default_to_square=False)
@@ -167,7 +172,7 @@ def _pad_to_square(rgb: np.ndarray, mean: tuple[float, ...]) -> np.ndarray:
     square = np.empty((side, side, 3), dtype=np.uint8)
     square[:] = [int(m * 255) for m in mean]
     top, left = (side - height) // 2, (side - width) // 2
-    square[top:top + height, left:left + width] = rgb
+    square[top : top + height, left : left + width] = rgb
     return square
 
 
@@ -178,10 +183,10 @@ def _center_crop(chw: np.ndarray, crop_height: int, crop_width: int) -> np.ndarr
         padded = np.zeros((chw.shape[0], max(height, crop_height), max(width, crop_width)), dtype=chw.dtype)
         pad_top = math.ceil((padded.shape[1] - height) / 2)
         pad_left = math.ceil((padded.shape[2] - width) / 2)
-        padded[:, pad_top:pad_top + height, pad_left:pad_left + width] = chw
+        padded[:, pad_top : pad_top + height, pad_left : pad_left + width] = chw
         chw, height, width = padded, padded.shape[1], padded.shape[2]
     top, left = (height - crop_height) // 2, (width - crop_width) // 2
-    return chw[:, top:top + crop_height, left:left + crop_width]
+    return chw[:, top : top + crop_height, left : left + crop_width]
 
 
 def preprocess_clip(rgb: np.ndarray, params: ClipPreprocessParams) -> np.ndarray:
@@ -214,14 +219,19 @@ def preprocess_params_from_hf_config(config: dict) -> ClipPreprocessParams:
     second params class with the same ``preprocess``/``as_dict`` methods.
     """
     processor_type = config.get("image_processor_type", "CLIPImageProcessor")
-    if processor_type.removesuffix("Pil").removesuffix("Fast") in ("CLIPImageProcessor", "LlavaImageProcessor"):
+    if processor_type.removesuffix("Pil").removesuffix("Fast") in (
+        "CLIPImageProcessor",
+        "LlavaImageProcessor",
+    ):
         return ClipPreprocessParams.from_hf_config(config)
     raise ModelFormatError(f"unsupported image processor {processor_type!r} in preprocessor_config.json")
 
 
 def canonical_json(value: Any) -> bytes:
     """Deterministic JSON bytes: sorted keys, no spaces, ASCII only, tuples as lists."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def image_key(pixels: ImageInput | np.ndarray, preprocess_params: dict, vision_model_id: str) -> bytes:

@@ -9,14 +9,16 @@ post-processor as transformers does, and decoding skips special tokens by defaul
 ``IncrementalDetokenizer`` turns token ids into text pieces as they arrive; the pieces join to
 ``decode(all ids)``, and a character split over byte-fallback tokens is held back until complete.
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -84,7 +86,7 @@ class TextTokenizer:
         special_tokens: SpecialTokens,
         add_bos_token: bool | None = None,
         add_eos_token: bool | None = None,
-    ) -> "TextTokenizer":
+    ) -> TextTokenizer:
         """From the text of a ``tokenizer.json`` (as embedded in the GGUF)."""
         try:
             backend = Tokenizer.from_str(tokenizer_json)
@@ -93,7 +95,38 @@ class TextTokenizer:
         return cls(backend, special_tokens, add_bos_token, add_eos_token)
 
     @classmethod
-    def from_hf_folder(cls, folder: str | Path) -> tuple["TextTokenizer", str | None]:
+    def from_json_and_ids(
+        cls,
+        tokenizer_json: str,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+    ) -> TextTokenizer:
+        """From a ``tokenizer.json`` text and special-token ids, as a GGUF stores them
+        (``tokenizer.huggingface.json``, ``tokenizer.ggml.bos_token_id``, ...)."""
+        backend = cls.from_json_str(tokenizer_json, SpecialTokens()).backend
+
+        def token(token_id: int | None, name: str) -> str | None:
+            if token_id is None:
+                return None
+            content = backend.id_to_token(int(token_id))
+            if content is None:
+                raise ModelFormatError(f"tokenizer: {name} id {token_id} is outside the vocabulary")
+            return content
+
+        special = SpecialTokens(
+            token(bos_token_id, "bos_token"),
+            token(eos_token_id, "eos_token"),
+            token(unk_token_id, "unk_token"),
+            token(pad_token_id, "pad_token"),
+        )
+        return cls(backend, special, add_bos_token, add_eos_token)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> tuple[TextTokenizer, str | None]:
         """From a Hugging Face folder's tokenizer.json + tokenizer_config.json.
 
         Returns the tokenizer and the chat template found in tokenizer_config.json or
@@ -101,8 +134,10 @@ class TextTokenizer:
         """
         folder = Path(folder)
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        special = SpecialTokens(**{name: _token_content(config.get(name)) for name in SpecialTokens.__slots__})
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+        special = SpecialTokens(
+            **{name: _token_content(config.get(name)) for name in SpecialTokens.__slots__}
+        )
         tokenizer = cls.from_json_str(
             (folder / "tokenizer.json").read_text(encoding="utf-8"),
             special,
@@ -136,7 +171,7 @@ class TextTokenizer:
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh streaming decoder for one completion."""
         return IncrementalDetokenizer(self, skip_special_tokens)
 
@@ -183,16 +218,18 @@ def _find_chat_template(folder: Path, config: dict) -> str | None:
 class IncrementalDetokenizer:
     """Streaming decode: ``push(token_id)`` returns the new text (maybe ""), ``flush()`` the rest.
 
-    The ids not yet turned into text form a window. The window is decoded whole at each push and
-    its text is emitted once it does not end in U+FFFD (a character whose bytes have not all
-    arrived) and its last id is not a byte-fallback token (tokenizers decodes a run of byte tokens
-    all or nothing: one stray byte later would turn the whole run into U+FFFD, so a run is only
-    emitted once it has ended; a skipped special token is transparent to such a run, so the
-    window stays open over it too); then a new window starts after it. Windows after the first are decoded behind a
-    one-character sentinel token whose text is cut off: decoders that strip the leading space of
-    the *first* token (Llama's Strip, Metaspace) then treat every window as the middle of the
-    text, so the pieces join to ``decode(all ids)``. The first window stays open until it has
-    produced some text, for the same reason. Each push decodes only the open window.
+    The ids not yet turned into text form a window, decoded whole at each push. Its text is
+    emitted, and a new window started, once the text does not end in U+FFFD (a character whose
+    bytes have not all arrived) and the last id is neither a byte-fallback token nor a skipped
+    special token: tokenizers decodes a run of byte tokens all or nothing (one stray byte later
+    turns the whole run into U+FFFD, and skipped specials do not break a run), so a run is only
+    emitted once it has ended.
+
+    Windows after the first are decoded behind a one-character sentinel token whose text is cut
+    off: decoders that strip the leading space of the *first* token (Llama's Strip, Metaspace)
+    then treat every window as the middle of the text, so the pieces join to
+    ``decode(all ids)``. The first window stays open until it has produced some text, for the
+    same reason. Each push decodes only the open window (a few ids), not the whole completion.
     """
 
     def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True) -> None:
@@ -203,7 +240,9 @@ class IncrementalDetokenizer:
         self._all_ids: list[int] = []
         self._window_start = 0
         self._num_emitted_chars = 0  # used only without a sentinel
-        self._hold_ids = tokenizer.byte_fallback_ids | (tokenizer.special_ids if skip_special_tokens else frozenset())
+        self._hold_ids = tokenizer.byte_fallback_ids | (
+            tokenizer.special_ids if skip_special_tokens else frozenset()
+        )
         if self._sentinel is None:
             logger.debug("no sentinel token found; streaming decodes from the start at every token")
 
@@ -214,12 +253,12 @@ class IncrementalDetokenizer:
 
     def _window_text(self) -> str:
         if self._sentinel is None:  # slow but exact: decode everything, drop what was emitted
-            return self._tokenizer.decode(self._all_ids, self._skip_special)[self._num_emitted_chars:]
-        window = self._all_ids[self._window_start:]
+            return self._tokenizer.decode(self._all_ids, self._skip_special)[self._num_emitted_chars :]
+        window = self._all_ids[self._window_start :]
         if self._window_start == 0:
             return self._tokenizer.decode(window, self._skip_special)
         text = self._tokenizer.decode([self._sentinel, *window], self._skip_special)
-        return text[len(self._sentinel_text):]
+        return text[len(self._sentinel_text) :]
 
     def push(self, token_id: int) -> str:
         """Add one generated id; returns the text it completes (empty while a character is split)."""

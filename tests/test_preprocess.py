@@ -1,4 +1,5 @@
 """Image preprocessing and identity against Hugging Face's image processors."""
+
 from __future__ import annotations
 
 import io
@@ -21,22 +22,44 @@ from conduit_rt.preprocess import (  # noqa: E402
 )
 
 CONFIGS = {
-    "clip_square": {"image_processor_type": "CLIPImageProcessor",
-                    "size": {"shortest_edge": 30}, "crop_size": {"height": 30, "width": 30}},
+    "clip_square": {
+        "image_processor_type": "CLIPImageProcessor",
+        "size": {"shortest_edge": 30},
+        "crop_size": {"height": 30, "width": 30},
+    },
     # shortest edge below the crop: HF zero-pads inside the center crop
-    "clip_small_resize": {"image_processor_type": "CLIPImageProcessor",
-                          "size": {"shortest_edge": 24}, "crop_size": {"height": 30, "width": 28}},
-    "clip_exact_size": {"image_processor_type": "CLIPImageProcessor",
-                        "size": {"height": 26, "width": 34}, "crop_size": {"height": 20, "width": 30}},
-    "llava_pad": {"image_processor_type": "LlavaImageProcessor", "do_pad": True,
-                  "size": {"shortest_edge": 30}, "crop_size": {"height": 30, "width": 30}},
+    "clip_small_resize": {
+        "image_processor_type": "CLIPImageProcessor",
+        "size": {"shortest_edge": 24},
+        "crop_size": {"height": 30, "width": 28},
+    },
+    "clip_exact_size": {
+        "image_processor_type": "CLIPImageProcessor",
+        "size": {"height": 26, "width": 34},
+        "crop_size": {"height": 20, "width": 30},
+    },
+    "llava_pad": {
+        "image_processor_type": "LlavaImageProcessor",
+        "do_pad": True,
+        "size": {"shortest_edge": 30},
+        "crop_size": {"height": 30, "width": 30},
+    },
 }
 
 
 def _full_config(name: str) -> dict:
-    return {"do_resize": True, "do_center_crop": True, "do_rescale": True, "do_normalize": True,
-            "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255,
-            "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD), **CONFIGS[name]}
+    return {
+        "do_resize": True,
+        "do_center_crop": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_std": list(OPENAI_CLIP_STD),
+        **CONFIGS[name],
+    }
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -58,9 +81,21 @@ def _make_image(width: int, height: int, mode: str, seed: int = 0) -> Image.Imag
     return image if mode == "RGBA" else image.convert(mode)
 
 
-IMAGES = [(37, 53, "RGB"), (300, 17, "RGB"), (17, 300, "RGB"), (1, 1, "RGB"), (1, 40, "RGB"), (40, 1, "RGB"),
-          (2, 3, "RGB"), (64, 64, "RGBA"), (20, 33, "L"), (45, 31, "LA"), (31, 45, "P_transparent"),
-          (29, 30, "CMYK"), (30, 30, "1")]
+IMAGES = [
+    (37, 53, "RGB"),
+    (300, 17, "RGB"),
+    (17, 300, "RGB"),
+    (1, 1, "RGB"),
+    (1, 40, "RGB"),
+    (40, 1, "RGB"),
+    (2, 3, "RGB"),
+    (64, 64, "RGBA"),
+    (20, 33, "L"),
+    (45, 31, "LA"),
+    (31, 45, "P_transparent"),
+    (29, 30, "CMYK"),
+    (30, 30, "1"),
+]
 
 
 @pytest.mark.parametrize("width,height,mode", IMAGES)
@@ -94,12 +129,20 @@ def test_exif_orientation_is_not_applied_like_hf(processors):
     image.save(encoded, format="JPEG", exif=exif)
     loaded = load_image(encoded.getvalue())
     assert loaded.size == (40, 20)
-    expected = hf_processor(images=Image.open(io.BytesIO(encoded.getvalue())), return_tensors="np")["pixel_values"][0]
+    expected = hf_processor(images=Image.open(io.BytesIO(encoded.getvalue())), return_tensors="np")[
+        "pixel_values"
+    ][0]
     np.testing.assert_allclose(params.preprocess(encoded.getvalue()), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad,fragment", [(b"not an image", "cannot decode"), ("/no/such/file.png", "not found"),
-                                          (3.5, "path, bytes or a PIL.Image")])
+@pytest.mark.parametrize(
+    "bad,fragment",
+    [
+        (b"not an image", "cannot decode"),
+        ("/no/such/file.png", "not found"),
+        (3.5, "path, bytes or a PIL.Image"),
+    ],
+)
 def test_unreadable_images_raise_request_error(bad, fragment):
     with pytest.raises(RequestError, match=fragment):
         load_image(bad)
