@@ -1,0 +1,149 @@
+// common.cuh: shared pieces of the CUDA backend: error checking, dtype conversion to and from
+// float32, 16-byte vector access and the cp.async primitives (sm_80+).
+//
+// Every kernel computes in float32 and rounds once on store (round-to-nearest-even, as torch).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../kernels.h"
+
+namespace conduit::kernels::cuda {
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+// Throws DeviceOutOfMemory for an allocation failure (after clearing it, so that later checks do
+// not see it again) and CudaError for anything else, naming the failing call, file and line.
+inline void check_cuda(cudaError_t err, const char *call, const char *file, int line) {
+    if (err == cudaSuccess) return;
+    std::string message = std::string(call) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                          ") at " + file + ":" + std::to_string(line);
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        throw DeviceOutOfMemory(message);
+    }
+    throw CudaError(message);
+}
+
+#define CUDA_CHECK(call) ::conduit::kernels::cuda::check_cuda((call), #call, __FILE__, __LINE__)
+// After a kernel launch: reports a bad launch configuration (or an earlier asynchronous error).
+#define CUDA_CHECK_LAUNCH(kernel_name) ::conduit::kernels::cuda::check_cuda(cudaGetLastError(), kernel_name, __FILE__, __LINE__)
+
+// Arguments that break the kernels' preconditions (the runtime checks them first; this is a guard).
+inline void require(bool ok, const char *what) {
+    if (!ok) throw std::invalid_argument(std::string("conduit cuda kernels: ") + what);
+}
+
+inline cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(stream); }
+
+inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Calls f(T{}) with T the storage type of `dtype` (float, __half or __nv_bfloat16).
+template <typename T> struct TypeTag { using type = T; };
+template <typename F> void dispatch_dtype(DType dtype, F &&f) {
+    switch (dtype) {
+    case DType::F32: f(TypeTag<float>{}); break;
+    case DType::F16: f(TypeTag<__half>{}); break;
+    case DType::BF16: f(TypeTag<__nv_bfloat16>{}); break;
+    default: require(false, "unknown dtype");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar conversions
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-byte chunks: kChunk<T> elements of T in one uint4
+// ---------------------------------------------------------------------------------------------
+
+template <typename T> constexpr int kChunk = 16 / int(sizeof(T));
+
+__device__ __forceinline__ uint4 load16(const void *p) { return *static_cast<const uint4 *>(p); }
+__device__ __forceinline__ void store16(void *p, uint4 v) { *static_cast<uint4 *>(p) = v; }
+
+template <typename T> __device__ __forceinline__ void chunk_to_float(const uint4 &raw, float *out);
+
+template <> __device__ __forceinline__ void chunk_to_float<float>(const uint4 &raw, float *out) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+}
+
+template <> __device__ __forceinline__ void chunk_to_float<__half>(const uint4 &raw, float *out) {
+    const __half2 *h = reinterpret_cast<const __half2 *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+template <> __device__ __forceinline__ void chunk_to_float<__nv_bfloat16>(const uint4 &raw, float *out) {
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// Loads kChunk<T> elements at p as float32: one 16-byte load when `vector` (p 16-byte aligned),
+// else element by element.
+template <typename T> __device__ __forceinline__ void load_chunk(const T *p, bool vector, float *out) {
+    if (vector) {
+        chunk_to_float<T>(load16(p), out);
+    } else {
+#pragma unroll
+        for (int i = 0; i < kChunk<T>; ++i) out[i] = to_float(p[i]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async (sm_80+): global -> shared copies that bypass registers
+// ---------------------------------------------------------------------------------------------
+
+// Copies 16 bytes, or writes 16 zero bytes when !pred (src is then not read but must be a valid
+// address expression).
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool pred) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int src_size = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, bool pred) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int src_size = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most `kPending` committed groups of this thread are still in flight.
+template <int kPending> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+} // namespace conduit::kernels::cuda

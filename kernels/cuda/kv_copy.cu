@@ -1,0 +1,206 @@
+// kv_copy.cu: moving K and V between dense tensors and paged blocks on the GPU, with RoPE on K.
+//
+// One kernel serves the three operations: a "row" is one (token, KV head) pair of head_dim
+// elements; a thread block moves kRowsPerBlock rows with one thread per 16-byte chunk of a row
+// (element-wise when a dense pointer is not 16-byte aligned). When K is rotated, the block first
+// stages its K rows in shared memory as float32, because a rotate-half pair (i, i + n_freq) usually
+// spans two chunks held by different threads. V is copied bit for bit.
+#include "common.cuh"
+
+namespace conduit::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+// Rows of a dense tensor [n, n_kv_heads, head_dim]; a null pointer skips that tensor.
+template <typename T> struct DenseRows {
+    T *k;
+    T *v;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+
+    __device__ int64_t offset(int32_t token, int32_t head) const {
+        return (int64_t(token) * n_kv_heads + head) * head_dim;
+    }
+    __device__ T *k_row(int32_t token, int32_t head) const { return k ? k + offset(token, head) : nullptr; }
+    __device__ T *v_row(int32_t token, int32_t head) const { return v ? v + offset(token, head) : nullptr; }
+};
+
+// Rows of one paged layer (layout in kernels.h): token i lives in slot slots[i] (or base + i).
+template <typename T> struct PagedRows {
+    T *pool;
+    const int32_t *block_table;
+    Slots slots;
+    int64_t block_elems; // elements of one block (K and V)
+    int64_t v_delta;     // elements from a K row to its V row
+    int32_t block_shift; // log2(block_size)
+    int32_t head_dim;
+
+    __device__ int64_t offset(int32_t token, int32_t head) const {
+        const int32_t slot = slots.slots ? slots.slots[token] : slots.base + token;
+        const int64_t block = block_table[slot >> block_shift];
+        const int32_t t = slot & ((1 << block_shift) - 1);
+        return block * block_elems + ((int64_t(head) << block_shift) + t) * head_dim;
+    }
+    __device__ T *k_row(int32_t token, int32_t head) const { return pool + offset(token, head); }
+    __device__ T *v_row(int32_t token, int32_t head) const { return pool + offset(token, head) + v_delta; }
+};
+
+// kVec elements of T moved as one access (16 bytes when kVec = kChunk<T>).
+template <typename T, int kVec> struct alignas(sizeof(T) * kVec) Pack {
+    T x[kVec];
+};
+
+// Rotated value of element e of a head whose float32 copy is `row` (transformers' rotate-half RoPE:
+// out[i] = x[i] c - x[i+n] s, out[i+n] = x[i+n] c + x[i] s). Explicit _rn operations keep nvcc from
+// fusing them, so that float32 results match torch's separate multiplies and adds.
+__device__ float rotated(const float *row, int32_t e, const Rope &rope, const int32_t *rope_pos, int32_t n,
+                         int32_t token) {
+    const int32_t nf = rope.n_freq;
+    if (e >= 2 * nf) return row[e];
+    const int32_t freq = e < nf ? e : e - nf;
+    int32_t pos_row = 0;
+    if (rope.type == 2) pos_row = freq < rope.sections[0] ? 0 : (freq < rope.sections[0] + rope.sections[1] ? 1 : 2);
+    const float pos = float(rope_pos[int64_t(pos_row) * n + token]);
+    const float angle = __fmul_rn(pos, rope.inv_freq[freq]);
+    const float c = __fmul_rn(cosf(angle), rope.scaling);
+    const float s = __fmul_rn(sinf(angle), rope.scaling);
+    if (e < nf) return __fsub_rn(__fmul_rn(row[e], c), __fmul_rn(row[e + nf], s));
+    return __fadd_rn(__fmul_rn(row[e], c), __fmul_rn(row[e - nf], s));
+}
+
+// blockDim = (threads per row, rows per block); dynamic shared memory: rows per block * head_dim
+// floats when rope_pos is set, else none.
+template <typename T, int kVec, typename Src, typename Dst>
+__global__ void __launch_bounds__(kThreads)
+    move_rows_kernel(Src src, Dst dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
+                     const int32_t *rope_pos) {
+    extern __shared__ float k_staged[];
+    using P = Pack<T, kVec>;
+    const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+    const bool live = row < int64_t(n) * n_kv_heads;
+    const int32_t token = live ? int32_t(row / n_kv_heads) : 0;
+    const int32_t head = live ? int32_t(row % n_kv_heads) : 0;
+    const int32_t n_packs = head_dim / kVec;
+
+    if (rope_pos) {
+        float *staged = k_staged + threadIdx.y * head_dim;
+        const T *k_in = live ? src.k_row(token, head) : nullptr;
+        if (live) {
+            for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) {
+                const P pack = reinterpret_cast<const P *>(k_in)[p];
+#pragma unroll
+                for (int i = 0; i < kVec; ++i) staged[p * kVec + i] = to_float(pack.x[i]);
+            }
+        }
+        __syncthreads(); // every thread reaches this: `live` only guards the work
+        T *k_out = live ? dst.k_row(token, head) : nullptr;
+        if (live && k_out) {
+            for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) {
+                P pack;
+#pragma unroll
+                for (int i = 0; i < kVec; ++i)
+                    pack.x[i] = from_float<T>(rotated(staged, p * kVec + i, rope, rope_pos, n, token));
+                reinterpret_cast<P *>(k_out)[p] = pack;
+            }
+        }
+    } else if (live) {
+        T *k_out = dst.k_row(token, head);
+        if (k_out) {
+            const P *k_in = reinterpret_cast<const P *>(src.k_row(token, head));
+            for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) reinterpret_cast<P *>(k_out)[p] = k_in[p];
+        }
+    }
+    if (!live) return;
+    T *v_out = dst.v_row(token, head);
+    if (v_out) {
+        const P *v_in = reinterpret_cast<const P *>(src.v_row(token, head));
+        for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) reinterpret_cast<P *>(v_out)[p] = v_in[p];
+    }
+}
+
+int32_t log2_exact(int32_t x) {
+    int32_t s = 0;
+    while ((1 << s) < x) ++s;
+    return s;
+}
+
+template <typename T> PagedRows<T> paged_rows(const LayerView &view, Slots slots) {
+    require(view.block_size >= 1 && view.block_size <= 256 && (view.block_size & (view.block_size - 1)) == 0,
+            "block_size must be a power of two in [1, 256]");
+    return PagedRows<T>{static_cast<T *>(view.pool), view.block_table, slots, view.block_elems(),
+                        int64_t(view.n_kv_heads) * view.block_size * view.head_dim,
+                        log2_exact(view.block_size), view.head_dim};
+}
+
+template <typename T, int kVec, typename Src, typename Dst>
+void launch_rows(Src src, Dst dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, const Rope &rope,
+                 const int32_t *rope_pos, cudaStream_t stream) {
+    const int32_t n_packs = head_dim / kVec;
+    int32_t per_row = 1;
+    while (per_row < n_packs && per_row < kThreads) per_row *= 2;
+    const int32_t rows_per_block = kThreads / per_row;
+    const int64_t rows = int64_t(n) * n_kv_heads;
+    const dim3 grid{unsigned((rows + rows_per_block - 1) / rows_per_block)};
+    const dim3 block{unsigned(per_row), unsigned(rows_per_block)};
+    const size_t smem = rope_pos ? size_t(rows_per_block) * head_dim * sizeof(float) : 0;
+    move_rows_kernel<T, kVec><<<grid, block, smem, stream>>>(src, dst, n, n_kv_heads, head_dim, rope, rope_pos);
+    CUDA_CHECK_LAUNCH("move_rows_kernel");
+}
+
+// Checks the shared preconditions, then launches with 16-byte accesses when every pointer allows.
+template <typename T, typename Src, typename Dst>
+void move_rows(Src src, Dst dst, int32_t n, const LayerView &layout, const Rope &rope, const int32_t *rope_pos,
+               bool all_aligned, void *stream) {
+    if (n <= 0 || layout.n_kv_heads <= 0) return;
+    require(layout.head_dim >= 8 && layout.head_dim <= 256 && layout.head_dim % 8 == 0,
+            "head_dim must be a multiple of 8 in [8, 256]");
+    if (rope.type == 0) rope_pos = nullptr;
+    if (rope_pos) {
+        require(rope.inv_freq != nullptr && rope.n_freq >= 1 && 2 * rope.n_freq <= layout.head_dim,
+                "RoPE needs inv_freq and 1 <= n_freq <= head_dim / 2");
+        require(rope.type == 1 || rope.type == 2, "unknown RoPE type");
+    }
+    if (all_aligned) {
+        launch_rows<T, kChunk<T>>(src, dst, n, layout.n_kv_heads, layout.head_dim, rope, rope_pos, as_stream(stream));
+    } else {
+        launch_rows<T, 1>(src, dst, n, layout.n_kv_heads, layout.head_dim, rope, rope_pos, as_stream(stream));
+    }
+}
+
+} // namespace
+
+void write_dense(const LayerView &dst, Slots dst_slots, int32_t n, const void *k, const void *v, const Rope &rope,
+                 const int32_t *rope_pos, void *stream) {
+    dispatch_dtype(dst.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const DenseRows<T> in{static_cast<T *>(const_cast<void *>(k)), static_cast<T *>(const_cast<void *>(v)),
+                              dst.n_kv_heads, dst.head_dim};
+        const bool aligned = aligned16(k) && aligned16(v) && aligned16(dst.pool);
+        move_rows<T>(in, paged_rows<T>(dst, dst_slots), n, dst, rope, rope_pos, aligned, stream);
+    });
+}
+
+void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slots dst_slots, int32_t n,
+                const Rope &rope, const int32_t *rope_pos, void *stream) {
+    require(src.dtype == dst.dtype && src.head_dim == dst.head_dim && src.n_kv_heads == dst.n_kv_heads,
+            "copy_paged: source and destination layouts differ");
+    dispatch_dtype(dst.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const bool aligned = aligned16(src.pool) && aligned16(dst.pool);
+        move_rows<T>(paged_rows<T>(src, src_slots), paged_rows<T>(dst, dst_slots), n, dst, rope, rope_pos, aligned,
+                     stream);
+    });
+}
+
+void read_dense(const LayerView &src, void *k_out, void *v_out, void *stream) {
+    if (!k_out && !v_out) return;
+    dispatch_dtype(src.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const DenseRows<T> out{static_cast<T *>(k_out), static_cast<T *>(v_out), src.n_kv_heads, src.head_dim};
+        const bool aligned = aligned16(k_out) && aligned16(v_out) && aligned16(src.pool);
+        move_rows<T>(paged_rows<T>(src, Slots{}), out, src.n_tokens, src, Rope{}, nullptr, aligned, stream);
+    });
+}
+
+} // namespace conduit::kernels::cuda

@@ -1,0 +1,85 @@
+// runtime.cu: device memory, copies and device selection for the CUDA backend.
+//
+// Copies are cudaMemcpyAsync on the caller's stream. A host source or destination in pageable
+// memory makes the CUDA runtime stage it, so the host buffer may be reused as soon as the call
+// returns (the runtime uploads short-lived host vectors this way).
+#include "common.cuh"
+
+namespace conduit::kernels::cuda {
+namespace {
+
+// Makes `device` current for the guard's lifetime and restores the caller's device after, so that
+// allocating for an arena does not move other libraries (torch) to another device.
+class DeviceGuard {
+  public:
+    explicit DeviceGuard(int32_t device) {
+        CUDA_CHECK(cudaGetDevice(&previous_));
+        if (previous_ != device) CUDA_CHECK(cudaSetDevice(device));
+    }
+    ~DeviceGuard() {
+        int current = previous_;
+        if (cudaGetDevice(&current) == cudaSuccess && current != previous_) (void)cudaSetDevice(previous_);
+    }
+    DeviceGuard(const DeviceGuard &) = delete;
+    DeviceGuard &operator=(const DeviceGuard &) = delete;
+
+  private:
+    int previous_ = 0;
+};
+
+void copy_async(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, void *stream) {
+    if (bytes == 0) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, as_stream(stream)));
+}
+
+} // namespace
+
+void *device_alloc(size_t bytes, int32_t device) {
+    DeviceGuard guard(device);
+    void *ptr = nullptr;
+    const cudaError_t err = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError(); // not sticky: clear it so later checks do not report it
+        throw DeviceOutOfMemory("cudaMalloc of " + std::to_string(bytes) + " bytes on CUDA device " +
+                                std::to_string(device) + " failed: out of memory");
+    }
+    CUDA_CHECK(err);
+    return ptr;
+}
+
+void device_free(void *ptr, int32_t device) {
+    if (!ptr) return;
+    DeviceGuard guard(device);
+    CUDA_CHECK(cudaFree(ptr));
+}
+
+void memcpy_d2d(void *dst, const void *src, size_t bytes, void *stream) {
+    copy_async(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+
+void memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream) {
+    copy_async(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+}
+
+void memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream) {
+    copy_async(dst, src, bytes, cudaMemcpyDeviceToHost, stream);
+}
+
+void set_device(int32_t device) {
+    int current = -1;
+    CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device) CUDA_CHECK(cudaSetDevice(device));
+}
+
+int32_t device_count() {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        (void)cudaGetLastError(); // no driver or no device: not an error for the caller
+        return 0;
+    }
+    return count;
+}
+
+void synchronize(void *stream) { CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))); }
+
+} // namespace conduit::kernels::cuda
