@@ -127,7 +127,12 @@ class TextTokenizer:
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> tuple[TextTokenizer, str | None]:
-        """From a Hugging Face folder's tokenizer.json + tokenizer_config.json.
+        """From a Hugging Face folder's tokenizer.json (as written) + tokenizer_config.json.
+
+        transformers 5 rebuilds the pre-tokenizer/decoder of some classes (``LlamaTokenizerFast``
+        with ``legacy: false`` gets a Metaspace "first" pre-tokenizer instead of the file's
+        Prepend normalizer), so for parity with it a converter should embed
+        ``AutoTokenizer.from_pretrained(folder).backend_tokenizer.to_str()`` rather than the file.
 
         Returns the tokenizer and the chat template found in tokenizer_config.json or
         chat_template.json/.jinja (None when there is none).
