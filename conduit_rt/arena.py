@@ -333,6 +333,29 @@ class Sequence(_Child):
             self.arena.stream()), "attention")
         return (out, lse) if return_lse else out
 
+    def attention_stats(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                        threshold: float = 0.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention statistics of q [n_q, n_heads, head_dim] over the layer, in one native pass.
+
+        Returns (mass float32 [n_tokens]: the softmax probability each slot receives, summed over
+        queries and heads; n_below float32 [n_heads]: visible (query, key) pairs whose probability is
+        under ``threshold`` x the row's max; lse float32 [n_q, n_heads]).
+        """
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise InvalidArgumentError("q must be a [n_q, n_heads, head_dim] tensor")
+        n_q, n_heads = int(q.shape[0]), int(q.shape[1])
+        qp = self.arena.ptr(q, "q", [n_q, n_heads, self.arena.head_dim])
+        pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
+        mass = torch.empty(self.n_tokens(layer), dtype=torch.float32, device=q.device)
+        n_below = torch.empty(n_heads, dtype=torch.float32, device=q.device)
+        lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device)
+        f = self._ffi
+        native.check(self._lib.conduit_seq_attention_stats(
+            self.handle, layer, n_q, n_heads, qp, f.cast("int32_t *", pp), float(scale), float(threshold),
+            f.cast("float *", mass.data_ptr()), f.cast("float *", n_below.data_ptr()), f.cast("float *", lse.data_ptr()),
+            self.arena.stream()), "attention statistics")
+        return mass, n_below, lse
+
     def read_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V in slot order: [n_tokens, n_kv_heads, head_dim] each (K as stored)."""
         n = self.n_tokens(layer)

@@ -80,7 +80,11 @@ struct Slots {
        out [n_q, n_heads, head_dim] (kv dtype), lse float32 [n_q, n_heads] or null. A query seeing no  \
        key writes zeros and lse = -inf. */                                                                \
     void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
-                   float scale, void *out, float *lse, void *stream);
+                   float scale, void *out, float *lse, void *stream);                                    \
+    /* Attention statistics (see conduit_seq_attention_stats): mass float32 [n_tokens] (overwritten),  \
+       n_below float32 [n_heads] or null, lse float32 [n_q, n_heads] or null. */                          \
+    void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
+                         float scale, float threshold, float *mass, float *n_below, float *lse, void *stream);
 
 namespace cpu {
 CONDUIT_KERNEL_DECLS

@@ -43,3 +43,16 @@ def rope(x: torch.Tensor, rope_pos: torch.Tensor, inv_freq: torch.Tensor, sectio
     xd = x.cpu().double()
     rotated = xd[..., : 2 * n_freq] * cos + rotate_half(xd[..., : 2 * n_freq]) * sin
     return torch.cat([rotated, xd[..., 2 * n_freq:]], dim=-1)
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+                    threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full probability matrix, then its reductions: (mass [n_k], n_below [H]) in float64."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd = q.double().transpose(0, 1), k.repeat_interleave(group, 1).double().transpose(0, 1)
+    visible = k_pos.cpu()[None, :] <= q_pos.cpu()[:, None]
+    scores = ((qd @ kd.transpose(1, 2)) * scale).masked_fill(~visible, float("-inf"))  # [H, n_q, n_k]
+    probs = torch.nan_to_num(torch.softmax(scores, -1))
+    row_max = probs.amax(-1, keepdim=True)
+    below = (probs < threshold * row_max) & visible
+    return probs.sum((0, 1)), below.sum((1, 2)).double()

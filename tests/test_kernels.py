@@ -182,3 +182,26 @@ def test_compact_keeps_the_chosen_tokens_and_frees_blocks(device, dtype, block_s
     out = seq.attention(0, q, q_pos.to(device), 0.125)
     ref, _ = reference.attention(q.cpu(), k.cpu()[keep], v.cpu()[keep], q_pos, positions[keep], 0.125)
     torch.testing.assert_close(out.cpu().double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_kv_heads,group,head_dim,n_tokens,n_q", [(2, 2, 64, 45, 5), (1, 4, 128, 130, 17), (4, 1, 64, 9, 1)])
+def test_attention_stats_match_the_materialised_probabilities(device, dtype, n_kv_heads, group, head_dim, n_tokens, n_q):
+    gen = torch.Generator().manual_seed(n_tokens + n_q)
+    arena = make_arena(device, dtype, n_kv_heads, head_dim, 16)
+    seq = arena.new_sequence()
+    k_pos = torch.randint(0, n_tokens, (n_tokens,), generator=gen, dtype=torch.int32)
+    seq.append(k_pos)
+    k = rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen) * 2
+    seq.write_kv(0, k, rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen))
+    q = rand((n_q, n_kv_heads * group, head_dim), dtype, device, gen)
+    q_pos = torch.randint(n_tokens // 2, n_tokens + 1, (n_q,), generator=gen, dtype=torch.int32)
+    mass, n_below, lse = seq.attention_stats(0, q, q_pos.to(device), 1 / math.sqrt(head_dim), threshold=0.01)
+    ref_mass, ref_below = reference.attention_stats(q.cpu(), k.cpu(), q_pos, k_pos, 1 / math.sqrt(head_dim), 0.01)
+    _, ref_lse = reference.attention(q.cpu(), k.cpu(), k.cpu(), q_pos, k_pos, 1 / math.sqrt(head_dim))
+    torch.testing.assert_close(mass.cpu().double(), ref_mass, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-4)
+    # a probability within rounding of the cut may land on either side
+    assert (n_below.cpu().double() - ref_below).abs().max() <= max(2, 0.002 * float(ref_below.max()))
+    # each (query, head) row that sees a key spreads a probability mass of exactly 1
+    assert float(mass.sum()) == pytest.approx(float(torch.isfinite(ref_lse).sum()), rel=1e-4)

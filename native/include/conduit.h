@@ -275,6 +275,19 @@ CONDUIT_API conduit_status conduit_seq_attention(conduit_seq *seq, int32_t layer
                                                  const void *q, const int32_t *q_pos, float scale, void *out, float *lse,
                                                  void *stream);
 
+/* Attention statistics of n_q queries over one layer, without materialising the [n_q, n_tokens]
+ * probabilities (the scoring pass of CONDUIT and VL-Cache). With p(q, h, s) the softmax probability
+ * of slot s for query q and head h (causal by position, as conduit_seq_attention):
+ *   mass[s]     = sum over q and h of p(q, h, s)                  device float32 [n_tokens(layer)]
+ *   n_below[h]  = number of visible (q, s) with p(q, h, s) < threshold * max_s' p(q, h, s')
+ *                                                                 device float32 [n_heads] (or NULL)
+ *   lse[q, h]   = log-sum-exp of the scaled scores                device float32 [n_q, n_heads] (or NULL)
+ * q: device [n_q, n_heads, head_dim], arena dtype; q_pos: device int32 [n_q]; threshold in [0, 1]
+ * (VL-Cache uses 0.01). Outputs are overwritten, not accumulated. Errors: INVALID_ARGUMENT. */
+CONDUIT_API conduit_status conduit_seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads,
+                                                       const void *q, const int32_t *q_pos, float scale, float threshold,
+                                                       float *mass, float *n_below, float *lse, void *stream);
+
 /* Copies one layer's K and V out, densely and in slot order: k_out, v_out: device
  * [n_tokens(layer), n_kv_heads, head_dim], arena dtype (either may be NULL). */
 CONDUIT_API conduit_status conduit_seq_read_kv(const conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream);

@@ -270,6 +270,15 @@ conduit_status conduit_seq_attention(conduit_seq *seq, int32_t layer, int32_t n_
     });
 }
 
+conduit_status conduit_seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads,
+                                           const void *q, const int32_t *q_pos, float scale, float threshold,
+                                           float *mass, float *n_below, float *lse, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(seq);
+        seq_attention_stats(seq, layer, n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, stream);
+    });
+}
+
 conduit_status conduit_seq_read_kv(const conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream) {
     return guard([&] {
         REQUIRE_HANDLE(seq);

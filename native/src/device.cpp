@@ -116,6 +116,12 @@ void Device::attention(const kc::LayerView &kv, int32_t n_q, int32_t n_heads, co
     CONDUIT_DISPATCH(attention(kv, n_q, n_heads, q, q_pos, scale, out, lse, stream));
 }
 
+void Device::attention_stats(const kc::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
+                             const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below,
+                             float *lse, void *stream) const {
+    CONDUIT_DISPATCH(attention_stats(kv, n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, stream));
+}
+
 MirroredInts::~MirroredInts() {
     if (owner_) release(*owner_);
 }

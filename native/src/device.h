@@ -31,6 +31,9 @@ class Device {
     void read_dense(const kernels::LayerView &src, void *k_out, void *v_out, void *stream) const;
     void attention(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                    float scale, void *out, float *lse, void *stream) const;
+    void attention_stats(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
+                         const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
+                         void *stream) const;
 
   private:
     void activate() const; // makes the CUDA device current

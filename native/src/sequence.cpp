@@ -274,6 +274,21 @@ void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads
     seq->arena->device.attention(seq->arena->view(t, stream), n_q, n_heads, q, q_pos, scale, out, lse, stream);
 }
 
+void seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q,
+                         const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
+                         void *stream) {
+    LayerTable &t = layer_of(seq, layer);
+    const int32_t hk = seq->arena->params.n_kv_heads;
+    CONDUIT_REQUIRE(n_q >= 0, "n_q = %d", n_q);
+    CONDUIT_REQUIRE(n_heads > 0 && n_heads % hk == 0, "n_heads = %d is not a positive multiple of n_kv_heads = %d",
+                    n_heads, hk);
+    CONDUIT_REQUIRE(threshold >= 0.0f && threshold <= 1.0f, "threshold = %g outside [0, 1]", double(threshold));
+    CONDUIT_REQUIRE(mass || t.n_tokens() == 0, "mass must not be NULL");
+    CONDUIT_REQUIRE(n_q == 0 || (q && q_pos), "q and q_pos must not be NULL");
+    seq->arena->device.attention_stats(seq->arena->view(t, stream), n_q, n_heads, q, q_pos, scale, threshold, mass,
+                                       n_below, lse, stream);
+}
+
 void seq_read_kv(conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream) {
     LayerTable &t = layer_of(seq, layer);
     if (t.n_tokens() == 0 || (!k_out && !v_out)) return;

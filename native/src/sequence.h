@@ -18,6 +18,9 @@ void seq_restore_image(conduit_seq *seq, int32_t layer, LayerTable &image_layer,
                        const int32_t *rope_pos, void *stream);
 void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                    float scale, void *out, float *lse, void *stream);
+void seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q,
+                         const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
+                         void *stream);
 void seq_read_kv(conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream);
 size_t seq_bytes(const conduit_seq *seq);
 
