@@ -262,8 +262,11 @@ class Runtime:
                 emitted = len(text) - hold_back
             if step + 1 < sampling.max_tokens:
                 logits = self._step(seq, token, n_prompt + step)
-        if finish == "length":
+        if finish != "stop":  # release characters the detokenizer held back (an unfinished byte run)
             text += detok.flush()
+            cut = _find_stop(text, sampling.stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
         if len(text) > emitted:
             yield text[emitted:]
         end = time.perf_counter()
