@@ -13,6 +13,8 @@
 //   3. fp32 online softmax in base 2 per row group; row groups, then warps, are merged at the end
 //      by their (max, sum) pairs.
 // A key is visible when positions[slot] <= q_pos; a query seeing nothing gets out = 0, lse = -inf.
+// With kValues = false the same kernel skips V and writes only each split's score max and
+// log-sum-exp (base 2): the first pass of attention_stats (attention_stats.cu).
 #pragma once
 
 #include <math_constants.h>
@@ -40,10 +42,20 @@ struct AttentionParams {
     void *out;              // [n_q, n_heads, head_dim], written when n_splits == 1
     float *lse;             // [n_q, n_heads] or null, written when n_splits == 1
     float *partial_out;     // [n_q, n_heads, n_splits, head_dim] float32, when n_splits > 1
-    float *partial_lse;     // [n_q, n_heads, n_splits] float32 (natural log), when n_splits > 1
+    float *partial_lse;     // [n_q, n_heads, n_splits] float32, when n_splits > 1 or !kValues:
+                            // natural log with values, base 2 (of scores * log2 e) without
+    float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (!kValues only)
     int32_t n_splits;
     int32_t split_tokens;   // slots per split, a multiple of the tile rows
 };
+
+// Fills AttentionParams from a layer and the queries, checking the kernels' preconditions
+// (attention.cu).
+AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
+                                 const int32_t *q_pos, float scale);
+// Sets p.split_tokens (a multiple of tile_rows, at least min_split_tokens unless one split covers
+// everything) and p.n_splits from the work size and the SM count (attention.cu).
+void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens);
 
 // Sum over the kLanes consecutive lanes of a row group (all 32 lanes take part).
 template <int kLanes> __device__ __forceinline__ float group_sum(float x) {
@@ -68,9 +80,40 @@ template <typename T, int kLanes, int kPerLane, int kGroupTile> struct AttnShape
         kAttnStages * kStageChunks > kMergeFloats / 4 ? kAttnStages * kStageChunks : kMergeFloats / 4;
 };
 
-// Issues the cp.async copies of one tile (K, V and positions of kTileRows slots from tile_start);
-// rows past `end` and padding chunks past head_dim are zero-filled.
-template <typename S, typename T>
+// Query heads per CTA: the smallest of 1, 2, 4, 8 that holds the GQA group (larger groups take
+// several head tiles, each reading the KV again).
+inline int32_t group_tile_for(int32_t group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
+
+template <typename T, int kLanes, int kPerLane, int kGroupTile> struct ShapeTag {
+    using type = T;
+    static constexpr int lanes = kLanes, per_lane = kPerLane, group_tile = kGroupTile;
+};
+
+template <typename T, int kLanes, int kPerLane, typename F> void dispatch_group_tile(int32_t group, F &&f) {
+    switch (group_tile_for(group)) {
+    case 1: return f(ShapeTag<T, kLanes, kPerLane, 1>{});
+    case 2: return f(ShapeTag<T, kLanes, kPerLane, 2>{});
+    case 4: return f(ShapeTag<T, kLanes, kPerLane, 4>{});
+    default: return f(ShapeTag<T, kLanes, kPerLane, 8>{});
+    }
+}
+
+// Calls f(ShapeTag<T, lanes, per_lane, group_tile>{}) for a head_dim (a multiple of 8 in [8, 256])
+// and GQA group. Lanes per key row: the power of two (>= 4) covering head_dim in 16-byte chunks;
+// float32 rows of more than 32 chunks (head_dim > 128) give each lane two chunks.
+template <typename T, typename F> void dispatch_shape(int32_t head_dim, int32_t group, F &&f) {
+    const int32_t chunks = head_dim / kChunk<T>;
+    if (chunks <= 4) return dispatch_group_tile<T, 4, 1>(group, f);
+    if (chunks <= 8) return dispatch_group_tile<T, 8, 1>(group, f);
+    if (chunks <= 16) return dispatch_group_tile<T, 16, 1>(group, f);
+    if (chunks <= 32) return dispatch_group_tile<T, 32, 1>(group, f);
+    if constexpr (sizeof(T) == 4) return dispatch_group_tile<T, 32, 2>(group, f);
+    require(false, "head_dim too large");
+}
+
+// Issues the cp.async copies of one tile (K, V when kValues, and positions of kTileRows slots from
+// tile_start); rows past `end` and padding chunks past head_dim are zero-filled.
+template <typename S, typename T, bool kValues>
 __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start, int32_t end,
                                           uint4 *stage, int32_t *stage_pos) {
     const T *pool = static_cast<const T *>(p.pool);
@@ -89,7 +132,7 @@ __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_h
                     chunk * S::kVec;
         }
         cp_async16(stage + idx, k_src, ok);
-        cp_async16(stage + S::kTileChunks + idx, ok ? k_src + p.v_delta : pool, ok);
+        if (kValues) cp_async16(stage + S::kTileChunks + idx, ok ? k_src + p.v_delta : pool, ok);
     }
     for (int32_t row = threadIdx.x; row < S::kTileRows; row += kAttnThreads) {
         const int32_t slot = tile_start + row;
@@ -97,7 +140,7 @@ __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_h
     }
 }
 
-template <typename T, int kLanes, int kPerLane, int kGroupTile>
+template <typename T, int kLanes, int kPerLane, int kGroupTile, bool kValues>
 __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const AttentionParams p) {
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     constexpr int kVec = S::kVec, kF = S::kFloats, kRows = S::kRowsPerGroup;
@@ -150,13 +193,13 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
     for (int t = 0; t < kAttnStages - 1; ++t) {
         if (t < n_tiles)
-            load_tile<S, T>(p, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
+            load_tile<S, T, kValues>(p, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
         cp_async_commit();
     }
     for (int32_t tile = 0; tile < n_tiles; ++tile) {
         const int32_t ahead = tile + kAttnStages - 1;
         if (ahead < n_tiles)
-            load_tile<S, T>(p, kv_head, begin + ahead * S::kTileRows, end,
+            load_tile<S, T, kValues>(p, kv_head, begin + ahead * S::kTileRows, end,
                             smem + (ahead % kAttnStages) * S::kStageChunks, pos_smem[ahead % kAttnStages]);
         cp_async_commit();
         cp_async_wait<kAttnStages - 1>();
@@ -212,7 +255,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
                 }
             }
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) {
+            for (int r = 0; r < (kValues ? kRows : 0); ++r) {
                 float v[kF];
 #pragma unroll
                 for (int c = 0; c < kPerLane; ++c)
@@ -242,7 +285,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
             const float mine = exp2f(run_max[h] - ref), theirs = exp2f(other_max - ref);
             run_sum[h] = run_sum[h] * mine + other_sum * theirs;
 #pragma unroll
-            for (int e = 0; e < kF; ++e) {
+            for (int e = 0; e < (kValues ? kF : 0); ++e) {
                 const float other = __shfl_xor_sync(0xffffffffu, acc[h][e], offset);
                 acc[h][e] = acc[h][e] * mine + other * theirs;
             }
@@ -258,7 +301,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
         for (int h = 0; h < kGroupTile; ++h) {
 #pragma unroll
-            for (int c = 0; c < kPerLane; ++c) {
+            for (int c = 0; c < (kValues ? kPerLane : 0); ++c) {
 #pragma unroll
                 for (int e = 0; e < kVec; ++e)
                     merge[(warp * kGroupTile + h) * kPadded + (c * kLanes + j) * kVec + e] = acc[h][c * kVec + e];
@@ -271,8 +314,10 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     }
     __syncthreads();
 
-    for (int32_t idx = threadIdx.x; idx < n_my_heads * p.head_dim; idx += kAttnThreads) {
-        const int32_t h = idx / p.head_dim, d = idx % p.head_dim;
+    // Without values one thread per head writes the split's base-2 max and log-sum-exp.
+    const int32_t n_outputs = kValues ? n_my_heads * p.head_dim : n_my_heads;
+    for (int32_t idx = threadIdx.x; idx < n_outputs; idx += kAttnThreads) {
+        const int32_t h = kValues ? idx / p.head_dim : idx, d = kValues ? idx % p.head_dim : 0;
         float total_max = -CUDART_INF_F;
 #pragma unroll
         for (int w = 0; w < kAttnWarps; ++w) total_max = fmaxf(total_max, max_smem[w][h]);
@@ -282,17 +327,22 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
         for (int w = 0; w < kAttnWarps; ++w) {
             const float weight = exp2f(max_smem[w][h] - ref);
             total_sum += sum_smem[w][h] * weight;
-            total_acc += merge[(w * kGroupTile + h) * kPadded + d] * weight;
+            if (kValues) total_acc += merge[(w * kGroupTile + h) * kPadded + d] * weight;
         }
         const bool empty = total_sum == 0.0f;
+        const int64_t head_row = int64_t(qi) * p.n_heads + first_head + h;
+        const int64_t part = head_row * p.n_splits + split;
+        if (!kValues) {
+            p.partial_max[part] = total_max;
+            p.partial_lse[part] = empty ? -CUDART_INF_F : total_max + log2f(total_sum);
+            continue;
+        }
         const float value = empty ? 0.0f : total_acc / total_sum;
         const float lse = empty ? -CUDART_INF_F : total_max * CUDART_LN2_F + logf(total_sum);
-        const int64_t head_row = int64_t(qi) * p.n_heads + first_head + h;
         if (p.n_splits == 1) {
             static_cast<T *>(p.out)[head_row * p.head_dim + d] = from_float<T>(value);
             if (d == 0 && p.lse) p.lse[head_row] = lse;
         } else {
-            const int64_t part = head_row * p.n_splits + split;
             p.partial_out[part * p.head_dim + d] = value;
             if (d == 0) p.partial_lse[part] = lse;
         }

@@ -57,6 +57,14 @@ template <typename F> void dispatch_dtype(DType dtype, F &&f) {
     }
 }
 
+// Streaming multiprocessors of the current device (runtime.cu).
+int32_t sm_count();
+
+// A grow-only device scratch buffer of at least `bytes` for (current device, stream), or null when
+// the device is out of memory (runtime.cu). Valid until the next call for the same stream; work
+// enqueued on that stream may use it without further synchronisation.
+void *stream_workspace(size_t bytes, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // Scalar conversions
 // ---------------------------------------------------------------------------------------------

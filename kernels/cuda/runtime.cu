@@ -3,6 +3,18 @@
 // Copies are cudaMemcpyAsync on the caller's stream. A host source or destination in pageable
 // memory makes the CUDA runtime stage it, so the host buffer may be reused as soon as the call
 // returns (the runtime uploads short-lived host vectors this way).
+//
+// Kernel workspace (stream_workspace): a grow-only device buffer cached per (device, stream) and
+// reused by every later call on that stream. Reuse is safe because work on one stream runs in
+// order; when the buffer must grow, the stream is synchronized before the old buffer is freed.
+// Consequences: (1) the first call with a larger workload allocates and synchronizes, so warm up
+// before capturing a CUDA graph; (2) two threads must not enqueue on the same stream at once (the
+// arena's one-thread rule already says so); (3) the buffers live until the process exits, on
+// purpose: freeing them from a static destructor would race the CUDA runtime's own teardown.
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "common.cuh"
 
 namespace conduit::kernels::cuda {
@@ -81,5 +93,41 @@ int32_t device_count() {
 }
 
 void synchronize(void *stream) { CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))); }
+
+int32_t sm_count() {
+    int device = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms > 0 ? sms : 1;
+}
+
+void *stream_workspace(size_t bytes, cudaStream_t stream) {
+    struct Buffer {
+        void *ptr = nullptr;
+        size_t bytes = 0;
+    };
+    static std::mutex mutex;
+    static auto *cache = new std::map<std::pair<int, cudaStream_t>, Buffer>(); // never freed, see above
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    Buffer &buffer = (*cache)[{device, stream}];
+    if (buffer.bytes >= bytes) return buffer.ptr;
+    if (buffer.ptr) {
+        CUDA_CHECK(cudaStreamSynchronize(stream)); // earlier kernels on this stream may still use it
+        CUDA_CHECK(cudaFree(buffer.ptr));
+        buffer = Buffer{};
+    }
+    const size_t want = bytes < 65536 ? 65536 : bytes + bytes / 2;
+    void *ptr = nullptr;
+    const cudaError_t err = cudaMalloc(&ptr, want);
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        return nullptr;
+    }
+    CUDA_CHECK(err);
+    buffer = Buffer{ptr, want};
+    return ptr;
+}
 
 } // namespace conduit::kernels::cuda
