@@ -1,0 +1,143 @@
+"""What every architecture offers the Runtime: the batch description, the layer observer, the model
+protocol, and the hyperparameters and assets a loaded model carries.
+
+A forward pass works on one ``Sequence`` of the native arena. The caller appends the new tokens'
+positions to the sequence (``seq.append``) and then calls ``forward`` with their input embeddings
+and a ``ForwardBatch``; each decoder layer writes the tokens' K (pre-RoPE, rotated by the kernel at
+``rope_positions``) and V into the arena and attends over the sequence's stored tokens, causally by
+position. There is no KV cache in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from .rope import RopeConfig
+
+if TYPE_CHECKING:
+    from conduit_rt.arena import KVArena, Sequence
+    from conduit_rt.chat import ChatTemplate
+    from conduit_rt.preprocess import ClipPreprocessParams
+    from conduit_rt.tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """The tokens of one forward pass over one sequence.
+
+    positions: int32 [n], model device: causal positions (a query at p sees stored keys at <= p).
+    rope_positions: int32 [n] (rotate-half RoPE) or [3, n] (M-RoPE), model device.
+    slots: KV destination slot of each token, the same in every layer; None = the layers' last n
+        slots (the tokens were just appended with ``seq.append``).
+    """
+
+    positions: torch.Tensor
+    rope_positions: torch.Tensor
+    slots: list[int] | None = None
+
+    @classmethod
+    def contiguous(cls, start: int, end: int, device: torch.device | str) -> ForwardBatch:
+        """Tokens at positions [start, end), RoPE positions equal to the causal ones (LLaVA, Llama)."""
+        positions = torch.arange(start, end, dtype=torch.int32, device=device)
+        return cls(positions=positions, rope_positions=positions)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+class LayerCapture(Protocol):
+    """Observes each decoder layer (CONDUIT scoring, image-KV storing)."""
+
+    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        """q [n, n_heads, head_dim] after RoPE; k_pre_rope, v [n, n_kv_heads, head_dim]; model dtype."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The hyperparameters the Runtime needs, whatever the architecture.
+
+    ``tokens_per_image`` is the number of embeddings ``encode_images`` returns per image (and of
+    image-placeholder tokens in the prompt); 0 when the model was loaded without a vision file.
+    """
+
+    architecture: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    bos_token_id: int
+    eos_token_id: int
+    image_token_id: int | None
+    tokens_per_image: int
+    image_size: int  # square input side of the vision tower (0 without vision)
+    vision_hidden: int  # 0 without vision
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of the decoder's attention: head_dim^-1/2."""
+        return self.head_dim**-0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ModelAssets:
+    """What a request needs besides the weights, read from the same model files."""
+
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate | None  # compiled; None when the file has no template
+    image_token_id: int | None
+    tokens_per_image: int
+    preprocess: ClipPreprocessParams | None  # None without a vision file
+    vision_model_id: str  # identity of the vision weights (part of every image cache key)
+    eos_token_ids: frozenset[int]
+    bos_token_id: int
+
+
+class VisionLanguageModel(Protocol):
+    """A loaded model: text decoder over the native arena, plus vision tower and projector."""
+
+    config: ModelConfig
+    assets: ModelAssets
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def has_vision(self) -> bool: ...
+
+    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16) -> KVArena:
+        """A KV arena shaped for this model, on its device and dtype, with its RoPE set."""
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [n] (model device) -> embeddings [n, hidden], model dtype."""
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [n_img, 3, H, W] -> [n_img, tokens_per_image, hidden], model dtype."""
+
+    def forward(
+        self, seq: Sequence, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """embeds [n, hidden] -> hidden states [n, hidden] (final norm NOT applied); writes KV."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> final norm + LM head, float32 [n, vocab]."""
+
+
+def describe(model: Any) -> str:
+    """One line naming a model's architecture and size, for logs."""
+    c = model.config
+    return (
+        f"{c.architecture}: {c.n_layers} layers, hidden {c.hidden}, {c.n_heads}/{c.n_kv_heads} heads, "
+        f"vocab {c.vocab}, {c.tokens_per_image} tokens/image, {model.dtype} on {model.device}"
+    )

@@ -1,0 +1,170 @@
+"""The Llama decoder, with its attention over the native KV arena.
+
+One layer: RMSNorm -> q/k/v projections -> K (pre-RoPE) and V written into the sequence's slots,
+the kernel rotating K at ``rope_positions`` -> q rotated in torch with the same frequencies ->
+causal-by-position attention over every stored token of the layer (the native kernel) -> o_proj ->
+residual -> RMSNorm -> SwiGLU MLP -> residual. Module and parameter names follow transformers'
+``LlamaModel`` so that the code reads like the reference; ``gguf_tensor_map`` says which GGUF tensor
+fills each parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conduit_rt.gguf_names import MODEL_TENSOR, tensor_name
+
+from .base import ForwardBatch, LayerCapture, ModelConfig
+from .rope import RotaryEmbedding
+
+# parameter (relative to one layer) -> GGUF tensor kind, per llama.cpp's names
+_LAYER_TENSORS = {
+    "input_layernorm.weight": (MODEL_TENSOR.ATTN_NORM, "weight"),
+    "self_attn.q_proj.weight": (MODEL_TENSOR.ATTN_Q, "weight"),
+    "self_attn.k_proj.weight": (MODEL_TENSOR.ATTN_K, "weight"),
+    "self_attn.v_proj.weight": (MODEL_TENSOR.ATTN_V, "weight"),
+    "self_attn.o_proj.weight": (MODEL_TENSOR.ATTN_OUT, "weight"),
+    "post_attention_layernorm.weight": (MODEL_TENSOR.FFN_NORM, "weight"),
+    "mlp.gate_proj.weight": (MODEL_TENSOR.FFN_GATE, "weight"),
+    "mlp.up_proj.weight": (MODEL_TENSOR.FFN_UP, "weight"),
+    "mlp.down_proj.weight": (MODEL_TENSOR.FFN_DOWN, "weight"),
+}
+_BIAS_TENSORS = {
+    "self_attn.q_proj.bias": (MODEL_TENSOR.ATTN_Q, "bias"),
+    "self_attn.k_proj.bias": (MODEL_TENSOR.ATTN_K, "bias"),
+    "self_attn.v_proj.bias": (MODEL_TENSOR.ATTN_V, "bias"),
+    "self_attn.o_proj.bias": (MODEL_TENSOR.ATTN_OUT, "bias"),
+}
+
+
+def gguf_tensor_map(n_layers: int, attention_bias: bool, tie_word_embeddings: bool) -> dict[str, str]:
+    """Parameter name of ``LlamaDecoder`` -> GGUF tensor name. Tied embeddings: ``lm_head.weight``
+    maps to ``token_embd.weight`` (one tensor, two parameters)."""
+    embed = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+    mapping = {
+        "embed_tokens.weight": embed,
+        "norm.weight": tensor_name(MODEL_TENSOR.OUTPUT_NORM),
+        "lm_head.weight": embed if tie_word_embeddings else tensor_name(MODEL_TENSOR.OUTPUT),
+    }
+    per_layer = _LAYER_TENSORS | (_BIAS_TENSORS if attention_bias else {})
+    for layer in range(n_layers):
+        for param, (kind, suffix) in per_layer.items():
+            mapping[f"layers.{layer}.{param}"] = tensor_name(kind, suffix, layer)
+    return mapping
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the reduction in float32 (as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, bias: bool) -> None:
+        super().__init__()
+        q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden, q_rows, bias=bias)
+        self.k_proj = nn.Linear(config.hidden, kv_rows, bias=bias)
+        self.v_proj = nn.Linear(config.hidden, kv_rows, bias=bias)
+        self.o_proj = nn.Linear(q_rows, config.hidden, bias=bias)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.scale = config.attention_scale
+
+    def forward(
+        self,
+        layer: int,
+        seq,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        capture: LayerCapture | None,
+    ) -> torch.Tensor:
+        """h [n, hidden] (normed) -> attention output [n, hidden]; writes the layer's K, V for the n tokens."""
+        n = h.shape[0]
+        q = self.q_proj(h).view(n, self.n_heads, self.head_dim)
+        k = self.k_proj(h).view(n, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(n, self.n_kv_heads, self.head_dim)
+        seq.write_kv(layer, k, v, batch.slots, rope_pos=batch.rope_positions)
+        q = rotary.apply(q, batch.rope_positions).contiguous()
+        if capture is not None:
+            capture.on_layer(layer, q, k, v)
+        out = seq.attention(layer, q, batch.positions, self.scale)  # [n, n_heads, head_dim]
+        return self.o_proj(out.view(n, self.n_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, attention_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config.hidden, config.intermediate)
+
+    def forward(
+        self,
+        layer: int,
+        seq,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        capture: LayerCapture | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(layer, seq, self.input_layernorm(x), batch, rotary, capture)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaDecoder(nn.Module):
+    """Token embeddings, the decoder layers, the final norm and the LM head.
+
+    Built on the meta device and filled with ``load_state_dict(..., assign=True)``; call
+    ``init_rotary(device)`` once the weights are in place.
+    """
+
+    def __init__(self, config: ModelConfig, attention_bias: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_bias) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding(self.config.rope, device)
+
+    def forward(
+        self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """embeds [n, hidden] -> hidden states [n, hidden] before the final norm."""
+        if self.rotary is None:
+            raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
+        x = embeds
+        for index, layer in enumerate(self.layers):
+            x = layer(index, seq, x, batch, self.rotary, capture)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers)."""
+        return self.lm_head(self.norm(hidden)).float()

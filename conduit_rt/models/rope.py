@@ -1,0 +1,132 @@
+"""Rotary position embedding: the inverse frequencies (as transformers computes them) and q rotation.
+
+K is rotated by the native kernel as it is written into the arena (``Sequence.write_kv(...,
+rope_pos=...)``, parameters set once with ``KVArena.set_rope``); Q is rotated here, in torch, with
+the same ``inv_freq`` and ``attention_scaling`` so that the two sides agree.
+
+Layout: rotate-half ("neox"): within a head, dims ``[0, n_freq)`` and ``[n_freq, 2 n_freq)`` form the
+rotation pairs; dims past ``2 n_freq`` (partial rotary) pass through. M-RoPE (Qwen2-VL) takes the
+angle of frequency block ``i`` (``sections`` t, h, w) from position row ``i % 3``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROPE_SCALING_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """RoPE hyperparameters of a decoder, with transformers' names.
+
+    ``scaling_type`` "default" (none), "linear" (inverse frequencies divided by ``factor``) or
+    "llama3" (Llama 3.1's smooth wavelength-dependent division, which also uses
+    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``).
+    ``sections`` non-empty means M-RoPE (t, h, w frequency counts summing to ``rotary_dim // 2``).
+    """
+
+    theta: float
+    rotary_dim: int  # 2 * n_freq; head_dim unless partial rotary
+    scaling_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    sections: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.scaling_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"RoPE scaling {self.scaling_type!r} is not supported; supported: {ROPE_SCALING_TYPES}")
+        if self.theta <= 0 or self.factor <= 0:
+            raise ValueError(f"RoPE theta {self.theta} and factor {self.factor} must be positive")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ValueError(f"RoPE rotary_dim {self.rotary_dim} must be positive and even")
+        if self.sections and (len(self.sections) != 3 or sum(self.sections) != self.rotary_dim // 2):
+            raise ValueError(f"M-RoPE sections {self.sections} must be 3 counts summing to {self.rotary_dim // 2}")
+        if self.scaling_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("llama3 RoPE needs high_freq_factor > low_freq_factor")
+
+    @property
+    def kind(self) -> str:
+        """The arena's RoPE kind: "mrope" with sections, else "neox" (rotate-half)."""
+        return "mrope" if self.sections else "neox"
+
+
+def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq float32 [rotary_dim // 2], attention_scaling) exactly as transformers computes them."""
+    exponents = torch.arange(0, rope.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rope.rotary_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.scaling_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.scaling_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, rope)
+    return inv_freq, 1.0
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth blend between."""
+    low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, sections: tuple[int, ...] = ()) -> torch.Tensor:
+    """Angles float32 [n, n_freq] of int positions [n] (or [3, n] with M-RoPE ``sections``)."""
+    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
+    if not sections:
+        return positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    per_row = positions.to(torch.float32)[:, :, None] * inv_freq[None, None, :]  # [3, n, n_freq]
+    blocks = per_row.split(list(sections), dim=-1)
+    return torch.cat([block[i % 3] for i, block in enumerate(blocks)], dim=-1)
+
+
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float = 1.0,
+    sections: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """Rotate-half RoPE of x [n, heads, head_dim] at positions int [n] (or [3, n]); same shape and dtype.
+
+    As transformers does it: cos/sin in float32, cast to x's dtype, then ``x cos + rotate_half(x) sin``.
+    """
+    n_freq = inv_freq.numel()
+    emb = rope_angles(positions, inv_freq, sections).repeat(1, 2)  # [n, 2 n_freq]
+    cos = (emb.cos() * attention_scaling).to(x.dtype)[:, None, :]
+    sin = (emb.sin() * attention_scaling).to(x.dtype)[:, None, :]
+    rotary, rest = x[..., : 2 * n_freq], x[..., 2 * n_freq :]
+    first, second = rotary[..., :n_freq], rotary[..., n_freq:]
+    rotated = rotary * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+class RotaryEmbedding:
+    """One model's RoPE on its device: rotates q in torch and configures the arena to rotate K alike."""
+
+    def __init__(self, rope: RopeConfig, device: torch.device | str) -> None:
+        self.config = rope
+        inv_freq, self.attention_scaling = inverse_frequencies(rope)
+        self.inv_freq = inv_freq.to(device)  # float32 [rotary_dim // 2]
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE)."""
+        return apply_rope(x, positions, self.inv_freq, self.attention_scaling, self.config.sections)
+
+    def configure(self, arena) -> None:
+        """Sets the arena's RoPE (``KVArena.set_rope``) to this one, so that written K match rotated q."""
+        sections = self.config.sections or (0, 0, 0)
+        arena.set_rope(
+            self.inv_freq.cpu(), self.config.kind, sections=sections, attention_scaling=self.attention_scaling
+        )
