@@ -211,8 +211,23 @@ def llama_rope_unpermute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 __all__ = [
-    "CLIP_ARCH", "ConduitKeys", "Keys", "LLAMA_ARCH", "MMPROJ_FILE_NAME", "PROJECTOR_MLP", "TEXT_FILE_NAME",
-    "TYPE_MMPROJ", "TYPE_MODEL", "clip_mlp_mmproj_tensor_shapes", "is_rope_permuted", "llama_attention_bias_shapes",
-    "llama_rope_permute", "llama_rope_unpermute", "llama_text_tensor_shapes", "llm_key", "rope_permute_heads",
+    "CLIP_ARCH",
+    "LLAMA_ARCH",
+    "MMPROJ_FILE_NAME",
+    "MODEL_TENSOR",
+    "PROJECTOR_MLP",
+    "TEXT_FILE_NAME",
+    "TYPE_MMPROJ",
+    "TYPE_MODEL",
+    "ConduitKeys",
+    "Keys",
+    "clip_mlp_mmproj_tensor_shapes",
+    "is_rope_permuted",
+    "llama_attention_bias_shapes",
+    "llama_rope_permute",
+    "llama_rope_unpermute",
+    "llama_text_tensor_shapes",
+    "llm_key",
+    "rope_permute_heads",
     "tensor_name",
 ]

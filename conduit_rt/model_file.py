@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ logger = logging.getLogger(__name__)
 READABLE_TYPES = (
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
 )
+_ATTN_Q_BIAS = names.tensor_name(names.MODEL_TENSOR.ATTN_Q, "bias", 0)  # present iff attention_bias
 _HEADER_BYTES = 24  # magic, version, tensor count, kv count
 _GGUF_MAGIC = b"GGUF"
 
@@ -87,11 +87,21 @@ class GGUFModelFile:
 
 
 class TextModelFile(GGUFModelFile):
-    """``model.gguf``: the text decoder. ``config`` holds every hyperparameter and the tokenizer."""
+    """``model.gguf``: the text decoder. ``config`` holds every hyperparameter and the tokenizer.
+
+    Tensor names: ``gguf_names.llama_text_tensor_shapes`` (with the HF module of each);
+    ``output.weight`` is absent when ``config.tie_word_embeddings``, and ``blk.N.attn_{q,k,v,output}.bias``
+    are present when ``attention_bias``. ``attn_q``/``attn_k`` come out in HF (rotate-half) row order.
+    """
 
     def __init__(self, path: Path, reader: GGUFReader, config: TextModelConfig) -> None:
         super().__init__(path, reader)
         self.config = config
+
+    @property
+    def attention_bias(self) -> bool:
+        """Whether the attention projections have biases (``blk.N.attn_*.bias``)."""
+        return _ATTN_Q_BIAS in self
 
     def _decode(self, tensor: ReaderTensor) -> torch.Tensor:
         # llama.cpp permutes attn_q/attn_k rows for interleaved RoPE; hand out HF's rotate-half order.
@@ -103,7 +113,10 @@ class TextModelFile(GGUFModelFile):
 
 
 class VisionModelFile(GGUFModelFile):
-    """``mmproj.gguf``: vision tower + projector. ``config`` holds the hyperparameters and preprocessing."""
+    """``mmproj.gguf``: vision tower + projector. ``config`` holds the hyperparameters and preprocessing.
+
+    Tensor names: ``gguf_names.clip_mlp_mmproj_tensor_shapes`` (with the HF module of each).
+    """
 
     def __init__(self, path: Path, reader: GGUFReader, config: VisionModelConfig) -> None:
         super().__init__(path, reader)
@@ -124,8 +137,8 @@ def load_text_model_file(path: str | Path) -> TextModelFile:
             f"{path}: text architecture {arch!r} is not supported; supported: {names.LLAMA_ARCH!r}"
         )
     config = _build_config(path, lambda: read_text_config(keys, reader))
-    expected = config.tensor_shapes(attention_bias=names.tensor_name(names.MODEL_TENSOR.ATTN_Q, "bias", 0) in _names(reader))
-    validate_tensors(path, reader, expected)
+    attention_bias = _ATTN_Q_BIAS in _names(reader)
+    validate_tensors(path, reader, config.tensor_shapes(attention_bias=attention_bias))
     logger.info("loaded %s: llama, %d layers, hidden %d", path, config.num_hidden_layers, config.hidden_size)
     return TextModelFile(path, reader, config)
 
@@ -220,11 +233,15 @@ def validate_tensors(path: Path, reader: GGUFReader, expected: dict[str, tuple[i
 def read_text_config(keys: KeyReader, reader: GGUFReader) -> TextModelConfig:
     """The text hyperparameters and tokenizer from a ``model.gguf``'s keys."""
     arch = names.LLAMA_ARCH
-    key = lambda template: names.llm_key(template, arch)  # noqa: E731
+
+    def key(template: str) -> str:
+        return names.llm_key(template, arch)
+
     tokens = keys.str_list(Keys.Tokenizer.LIST)
     num_heads = keys.int(key(Keys.Attention.HEAD_COUNT))
     hidden = keys.int(key(Keys.LLM.EMBEDDING_LENGTH))
-    head_dim = keys.int(key(Keys.Attention.KEY_LENGTH), default=keys.int(key(Keys.Rope.DIMENSION_COUNT), default=hidden // max(num_heads, 1)))
+    rope_dims = keys.int(key(Keys.Rope.DIMENSION_COUNT), default=hidden // max(num_heads, 1))
+    head_dim = keys.int(key(Keys.Attention.KEY_LENGTH), default=rope_dims)
     scaling = keys.str(key(Keys.Rope.SCALING_TYPE), default="none")
     output = names.tensor_name(names.MODEL_TENSOR.OUTPUT)
     return TextModelConfig(

@@ -120,7 +120,7 @@ def _index_tensors(root: Path) -> dict[str, Path]:
     index: dict[str, Path] = {}
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            index.update({tensor: file for tensor in handle.keys()})
+            index.update(dict.fromkeys(handle.keys(), file))
     return index
 
 

@@ -271,3 +271,83 @@ def test_hub_repo_id_is_fetched_with_snapshot_download(checkpoint, tmp_path, mon
     files = convert_checkpoint("llava-hf/tiny-llava", tmp_path / "out", dtype="f32", revision="main", progress=False)
     assert calls == [("llava-hf/tiny-llava", "main", ["*.json", "*.safetensors", "*.jinja"])]
     assert _fields(files.text_model)["general.name"] == "llava-hf/tiny-llava"
+
+
+def _copy_checkpoint(checkpoint: Path, dest: Path, edit_config=None, edit_weights=None) -> Path:
+    shutil.copytree(checkpoint, dest)
+    if edit_config is not None:
+        config = json.loads((dest / "config.json").read_text())
+        edit_config(config)
+        (dest / "config.json").write_text(json.dumps(config))
+    if edit_weights is not None:
+        weights = edit_weights(load_file(dest / "model.safetensors"))
+        save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def _assert_same_tensors(left_dir: Path, right_dir: Path) -> None:
+    for left, right in zip(load_model_dir(left_dir), load_model_dir(right_dir)):
+        assert left.tensor_names == right.tensor_names
+        for name in left.tensor_names:
+            assert torch.equal(left.tensor(name), right.tensor(name)), name
+
+
+def test_older_hub_layout_converts_to_the_same_tensors(checkpoint, converted, tmp_path):
+    """llava-hf's hub names (vision_tower.vision_model.*) and pre-transformers-5 config keys (rope_theta)."""
+    def old_config(config):
+        text = config["text_config"]
+        text["rope_theta"] = text.pop("rope_parameters")["rope_theta"]
+        del text["head_dim"], text["initializer_range"]  # head_dim is derived: hidden / heads
+
+    def hub_names(weights):
+        return {name.replace("vision_tower.", "vision_tower.vision_model."): tensor for name, tensor in weights.items()}
+
+    source = _copy_checkpoint(checkpoint, tmp_path / "hub", old_config, hub_names)
+    convert_checkpoint(source, tmp_path / "out", dtype="f32", progress=False)
+    _assert_same_tensors(converted("f32"), tmp_path / "out")
+
+
+def test_sharded_checkpoint_converts_to_the_same_tensors(checkpoint, converted, tmp_path):
+    source = tmp_path / "sharded"
+    shutil.copytree(checkpoint, source)
+    weights = load_file(source / "model.safetensors")
+    (source / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, members in shards.items():
+        save_file({name: weights[name] for name in members}, source / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {name: file for file, members in shards.items() for name in members}}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    convert_checkpoint(source, tmp_path / "out", dtype="f32", progress=False)
+    _assert_same_tensors(converted("f32"), tmp_path / "out")
+
+
+def test_embedding_rows_past_the_tokenizer_become_unused_pad_tokens(checkpoint, tmp_path):
+    """llava-hf pads the vocabulary (32064 rows for 32002 tokens); so does this copy (512 rows, 502 tokens)."""
+    extra = 10
+
+    def pad_rows(weights):
+        for name in [n for n in weights if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+            weights[name] = torch.cat([weights[name], torch.randn(extra, weights[name].shape[1])])
+        return weights
+
+    def pad_config(config):
+        config["text_config"]["vocab_size"] += extra
+
+    source = _copy_checkpoint(checkpoint, tmp_path / "padded", pad_config, pad_rows)
+    text, _ = load_model_dir(convert_checkpoint(source, tmp_path / "out", dtype="f32", progress=False).text_model.parent)
+    vocab = text.config.vocab_size
+    assert vocab == 512 and text.shape("token_embd.weight") == (512, 64)
+    assert text.config.tokens[-1] == "[PAD511]" and text.config.tokens[501] == "<pad>"
+    types = _fields(text.path)["tokenizer.ggml.token_type"]
+    assert types[502:] == [gguf.TokenType.UNUSED] * extra
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_rope_permutation_of_biases_and_its_inverse(num_heads):
+    from conduit_rt.gguf_names import llama_rope_permute, llama_rope_unpermute
+
+    bias = torch.randn(num_heads * 8)
+    permuted = llama_rope_permute(bias, num_heads)
+    assert torch.equal(permuted, _llama_cpp_order(bias, num_heads))
+    assert torch.equal(llama_rope_unpermute(permuted, num_heads), bias)
