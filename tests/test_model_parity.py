@@ -197,6 +197,14 @@ def test_text_only_load_without_mmproj(checkpoint, reference, processor):
         text_only.encode_images(torch.zeros(1, 3, 30, 30))
 
 
+@pytest.mark.parametrize("content", [b"NOPE" + bytes(40), b"GGUF\x03\x00\x00\x00" + bytes(6)])
+def test_broken_text_file_raises_model_format_error_naming_it(tmp_path, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelFormatError, match="broken.gguf"):
+        load_model(path, None, "cpu")
+
+
 def test_mmproj_given_as_text_model_is_refused(checkpoint):
     _, converted = checkpoint
     with pytest.raises(ModelFormatError, match="is a vision"):
