@@ -151,6 +151,8 @@ def load_mmproj_file(path: str | Path, text: TextModelFile | None = None) -> Vis
     kind = keys.str(Keys.General.TYPE, default="")
     if kind != names.TYPE_MMPROJ or keys.str(Keys.General.ARCHITECTURE) != names.CLIP_ARCH:
         raise ModelFormatError(f"{path}: not an mmproj file (general.type {kind!r}, expected {names.TYPE_MMPROJ!r})")
+    if not keys.bool(Keys.Clip.HAS_VISION_ENCODER, default=True):
+        raise ModelFormatError(f"{path}: {Keys.Clip.HAS_VISION_ENCODER} is false; this mmproj has no vision encoder")
     projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
     if projector != names.PROJECTOR_MLP:
         raise UnsupportedArchitectureError(

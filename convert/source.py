@@ -88,7 +88,10 @@ def open_source(src: str | Path, *, revision: str | None = None) -> SourceCheckp
     from huggingface_hub import snapshot_download
 
     logger.info("downloading %s from the Hugging Face hub", src)
-    local = snapshot_download(repo_id=str(src), revision=revision, allow_patterns=HUB_PATTERNS)
+    try:
+        local = snapshot_download(repo_id=str(src), revision=revision, allow_patterns=HUB_PATTERNS)
+    except (OSError, ValueError) as exc:  # the hub's HTTP, not-found and validation errors
+        raise FileNotFoundError(f"{src}: no such folder, and downloading it from the Hugging Face hub failed: {exc}") from exc
     return _read_folder(Path(local), str(src))
 
 

@@ -273,6 +273,17 @@ def test_hub_repo_id_is_fetched_with_snapshot_download(checkpoint, tmp_path, mon
     assert _fields(files.text_model)["general.name"] == "llava-hf/tiny-llava"
 
 
+def test_failed_hub_download_is_reported_by_the_cli(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    def unreachable(repo_id, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    assert convert_main(["someone/missing-model", "--outdir", str(tmp_path / "out"), "--quiet"]) == 1
+    assert "hub failed: offline" in capsys.readouterr().err
+
+
 def _copy_checkpoint(checkpoint: Path, dest: Path, edit_config=None, edit_weights=None) -> Path:
     shutil.copytree(checkpoint, dest)
     if edit_config is not None:
