@@ -1,0 +1,134 @@
+"""The Runtime end to end on a converted tiny LLaVA-1.5, against transformers' generate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conduit_rt import Runtime
+from conduit_rt.errors import RequestError
+from convert.cli import main as convert_main
+from tests.fixtures.tiny_llava import build_tiny_llava
+
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf_dir = build_tiny_llava(tmp_path_factory.mktemp("hf"), seed=3)
+    out = tmp_path_factory.mktemp("gguf")
+    assert convert_main([str(hf_dir), "--outdir", str(out), "--dtype", "f32"]) == 0
+    return hf_dir, out
+
+
+@pytest.fixture(scope="module")
+def runtime(checkpoint):
+    _, out = checkpoint
+    return Runtime(out / "model.gguf", device="cpu", kv_cache_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    hf_dir, _ = checkpoint
+    model = LlavaForConditionalGeneration.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(hf_dir)
+
+
+def images(n: int, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    sizes = [(37, 53), (30, 30), (61, 17), (44, 44)]
+    return [Image.fromarray(rng.integers(0, 255, (*sizes[i % 4], 3), dtype=np.uint8)) for i in range(n)]
+
+
+def user(text: str, imgs: list[Image.Image]) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": im} for im in imgs] + [{"type": "text", "text": text}]}
+
+
+def hf_generate(hf, messages: list[dict], n_new: int = N_NEW):
+    """transformers' greedy generate: (new token ids without a final EOS, per-step logits [steps, vocab])."""
+    model, processor = hf
+    hf_messages = [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if p["type"] == "text" else {})}
+                                                  for p in m["content"]] if isinstance(m["content"], list) else
+                    [{"type": "text", "text": m["content"]}]} for m in messages]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True)
+    imgs = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+    # the template already wrote BOS (as apply_chat_template(tokenize=True) does, no second one)
+    inputs = processor(text=text, images=imgs or None, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n_new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    new = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logits = torch.stack(out.logits)[:, 0]
+    eos = model.generation_config.eos_token_id
+    if new and new[-1] == eos:
+        new = new[:-1]
+    return new, logits
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 3])
+def test_greedy_tokens_and_logits_equal_transformers(runtime, hf, n_images):
+    messages = [user("What is in the picture and why?", images(n_images, seed=n_images))]
+    expected, expected_logits = hf_generate(hf, messages)
+    result = runtime.generate(messages, max_tokens=N_NEW, return_logits=True)
+    assert result.tokens == expected
+    steps = result.logits.shape[0]
+    scale = expected_logits.abs().max()
+    assert (result.logits - expected_logits[:steps]).abs().max() <= 1e-4 * scale
+    assert result.stats.prompt_tokens == result.stats.prefill_tokens > n_images * 25
+    assert result.stats.images == n_images and result.stats.kv_bytes > 0
+    assert runtime.arena.stats().n_seqs == 0  # the request's sequence was freed
+
+
+def test_stream_pieces_join_to_the_generated_text(runtime):
+    messages = [user("Describe it.", images(1))]
+    stream = runtime.stream(messages, max_tokens=12)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text == runtime.generate(messages, max_tokens=12).text
+
+
+def test_stop_string_ends_the_text_before_it(runtime):
+    messages = [user("Describe it.", images(1))]
+    full = runtime.generate(messages, max_tokens=16).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the random model produced whitespace where the stop string would go")
+    result = runtime.generate(messages, max_tokens=16, stop=[stop])
+    assert result.text == full[: full.find(stop)]
+    assert result.stats.finish_reason == "stop"
+
+
+def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
+    session = runtime.chat()
+    first = session.send([{"type": "image", "image": images(1)[0]}, {"type": "text", "text": "What is this?"}],
+                         max_tokens=8)
+    second = session.send("And the colours?", max_tokens=8, return_logits=True)
+    assert second.stats.reused_tokens > 25  # the image and the first turn stayed in the arena
+    assert second.stats.prefill_tokens < second.stats.prompt_tokens
+    whole = runtime.generate(session.history[:-1], max_tokens=8, return_logits=True)
+    assert second.tokens == whole.tokens
+    torch.testing.assert_close(second.logits, whole.logits, atol=1e-4, rtol=1e-4)
+    assert first.text == session.history[1]["content"]
+    session.close()
+    assert runtime.arena.stats().n_blocks_used == 0
+
+
+def test_sampling_with_a_seed_is_repeatable(runtime):
+    messages = [user("Tell me more.", images(1))]
+    a = runtime.generate(messages, max_tokens=10, temperature=0.8, top_p=0.9, seed=5)
+    b = runtime.generate(messages, max_tokens=10, temperature=0.8, top_p=0.9, seed=5)
+    assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([{"role": "user"}], "content"),
+    ([{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}], "image"),
+    ([{"role": "user", "content": "x"}], "top_p"),
+])
+def test_bad_requests_raise_request_errors_and_the_runtime_stays_usable(runtime, bad, match):
+    with pytest.raises(RequestError, match=match):
+        runtime.generate(bad, max_tokens=4, top_p=0.0 if match == "top_p" else 1.0)
+    assert runtime.arena.stats().n_seqs == 0
+    assert runtime.generate([user("Hi", [])], max_tokens=2).stats.decode_tokens <= 2
