@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from . import native
-from .chat import ImageSlot, Prompt, build_prompt
+from .chat import Prompt, build_prompt, validate_messages
 from .errors import RequestError
-from .models.base import ForwardBatch
+from .models.base import ForwardBatch, PreparedImage
 from .preprocess import image_key, to_rgb_array
 from .sampling import Sampler, SamplingParams
 
@@ -155,36 +155,35 @@ class Runtime:
     def _run(self, messages: list[dict], sampling: SamplingParams, return_logits: bool, turn: _Turn | None,
              holder: list) -> Iterator[str]:
         start = time.perf_counter()
-        stats = GenerationStats()
-        prompt = self._prompt(messages)                                   # 1
-        pixels, keys = self._images(prompt)                              # 2
-        identity = _identity(prompt, keys)
-        seq, reused = self._plan(turn, identity)                         # 3
-        stats.prompt_tokens, stats.reused_tokens = len(prompt.token_ids), reused
-        stats.prefill_tokens, stats.images = len(prompt.token_ids) - reused, len(keys)
+        request = self._request(messages)                                 # 1, 2
+        seq, reused = self._plan(turn, request.identity)                  # 3
+        n = len(request.prompt.token_ids)
+        stats = GenerationStats(prompt_tokens=n, reused_tokens=reused, prefill_tokens=n - reused,
+                                images=len(request.images))
         try:
-            logits = self._prefill(seq, prompt, pixels, reused)          # 4
-            yield from self._decode(seq, logits, len(prompt.token_ids), sampling, return_logits, stats, start,
-                                    holder)                               # 5
+            logits = self._prefill(seq, request, reused)                  # 4
+            yield from self._decode(seq, logits, request, sampling, return_logits, stats, start, holder)  # 5
         finally:
             if turn is None:
                 seq.free()
             else:
                 generated = holder[0].tokens if holder else []
-                turn.seq, turn.identity = seq, identity + [("t", t) for t in generated]
-                turn.identity = turn.identity[: seq.n_tokens(0)]
+                turn.seq = seq
+                turn.identity = (request.identity + [("t", t) for t in generated])[: seq.n_tokens(0)]
 
-    def _prompt(self, messages: list[dict]) -> Prompt:
+    def _request(self, messages: list[dict]) -> "_Request":
+        """Messages -> prompt tokens and segments, prepared images, their identities, RoPE positions."""
         a = self.assets
-        return build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, a.tokens_per_image)
-
-    def _images(self, prompt: Prompt) -> tuple[list, list[bytes]]:
-        """Decoded RGB pixels and the identity key of each image of the prompt."""
-        if prompt.images and not self.model.has_vision:
+        _, payloads = validate_messages(messages)
+        if payloads and not self.model.has_vision:
             raise RequestError("this model has no vision tower: load it with its mmproj.gguf to send images")
-        pixels = [to_rgb_array(image) for image in prompt.images]
-        keys = [image_key(p, self.assets.preprocess.as_dict(), self.assets.vision_model_id) for p in pixels]
-        return pixels, keys
+        pixels = [to_rgb_array(payload) for payload in payloads]
+        images = [self.model.prepare_image(rgb) for rgb in pixels]
+        keys = [image_key(rgb, a.preprocess.as_dict(), a.vision_model_id) for rgb in pixels]
+        prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
+                              [image.n_tokens for image in images])
+        rope = self.model.rope_positions(prompt, images)
+        return _Request(prompt, images, keys, rope, _identity(prompt, keys))
 
     def _plan(self, turn: _Turn | None, identity: list) -> tuple[Any, int]:
         """The sequence to prefill into and how many leading tokens it already holds (exact prefix)."""
@@ -199,38 +198,35 @@ class Runtime:
         turn.seq.truncate(reused)
         return turn.seq, reused
 
-    def _prefill(self, seq, prompt: Prompt, pixels: list, reused: int) -> torch.Tensor:
+    def _prefill(self, seq, request: "_Request", reused: int) -> torch.Tensor:
         """Runs prompt tokens [reused, n) through the decoder; returns the last token's logits [vocab]."""
-        embeds = self._embeddings(prompt, pixels, reused)
-        n = len(prompt.token_ids)
+        embeds = self._embeddings(request, reused)
+        n = len(request.prompt.token_ids)
         hidden = None
-        for chunk_start in range(reused, n, PREFILL_CHUNK):
-            chunk_end = min(chunk_start + PREFILL_CHUNK, n)
-            positions = torch.arange(chunk_start, chunk_end, dtype=torch.int32)
+        for lo in range(reused, n, PREFILL_CHUNK):
+            hi = min(lo + PREFILL_CHUNK, n)
+            positions = torch.arange(lo, hi, dtype=torch.int32)
             seq.append(positions)
-            batch = self._batch(positions)
-            hidden = self.model.forward(seq, embeds[chunk_start - reused: chunk_end - reused], batch)
+            batch = self._batch(positions, request.rope[..., lo:hi])
+            hidden = self.model.forward(seq, embeds[lo - reused: hi - reused], batch)
         return self.model.logits(hidden[-1:])[0]
 
-    def _embeddings(self, prompt: Prompt, pixels: list, reused: int) -> torch.Tensor:
+    def _embeddings(self, request: "_Request", reused: int) -> torch.Tensor:
         """Input embeddings of prompt tokens [reused, n): [n - reused, hidden], model dtype."""
+        prompt = request.prompt
         ids = torch.tensor(prompt.token_ids[reused:], dtype=torch.long, device=self.device)
         embeds = self.model.embed_tokens(ids)
         slots = [s for s in prompt.image_slots if s.start + s.n_tokens > reused]
-        if slots:
-            batch = torch.stack([torch.from_numpy(self.assets.preprocess.preprocess(pixels[s.image_index]))
-                                 for s in slots]).to(self.device, self.model.dtype)
-            features = self.model.encode_images(batch)  # [n_img, tokens_per_image, hidden]
-            for slot, feats in zip(slots, features):
-                lo = max(slot.start, reused)
-                embeds[lo - reused: slot.start + slot.n_tokens - reused] = feats[lo - slot.start:]
+        features = self.model.encode_images([request.images[s.image_index] for s in slots])
+        for slot, feats in zip(slots, features):
+            lo = max(slot.start, reused)
+            embeds[lo - reused: slot.start + slot.n_tokens - reused] = feats[lo - slot.start:]
         return embeds
 
-    def _batch(self, positions: torch.Tensor) -> ForwardBatch:
-        on_device = positions.to(self.device)
-        return ForwardBatch(positions=on_device, rope_positions=on_device)
+    def _batch(self, positions: torch.Tensor, rope: torch.Tensor) -> ForwardBatch:
+        return ForwardBatch(positions=positions.to(self.device), rope_positions=rope.to(self.device).contiguous())
 
-    def _decode(self, seq, logits: torch.Tensor, n_prompt: int, sampling: SamplingParams, return_logits: bool,
+    def _decode(self, seq, logits: torch.Tensor, request: "_Request", sampling: SamplingParams, return_logits: bool,
                 stats: GenerationStats, start: float, holder: list) -> Iterator[str]:
         sampler = Sampler(sampling, self.device)
         detok = self.assets.tokenizer.detokenizer()
@@ -261,7 +257,7 @@ class Runtime:
                 yield text[emitted: len(text) - hold_back]
                 emitted = len(text) - hold_back
             if step + 1 < sampling.max_tokens:
-                logits = self._step(seq, token, n_prompt + step)
+                logits = self._step(seq, token, len(request.prompt.token_ids) + step, request.next_rope + step)
         if finish != "stop":  # release characters the detokenizer held back (an unfinished byte run)
             text += detok.flush()
             cut = _find_stop(text, sampling.stop)
@@ -279,13 +275,33 @@ class Runtime:
         holder.append(GenerationResult(text=text, tokens=tokens, stats=stats,
                                        logits=torch.stack(step_logits) if return_logits and step_logits else None))
 
-    def _step(self, seq, token: int, position: int) -> torch.Tensor:
-        """One decode step: the token at ``position`` -> next-token logits [vocab]."""
+    def _step(self, seq, token: int, position: int, rope_position: int) -> torch.Tensor:
+        """One decode step: the token at causal ``position`` -> next-token logits [vocab]."""
         positions = torch.tensor([position], dtype=torch.int32)
         seq.append(positions)
         embeds = self.model.embed_tokens(torch.tensor([token], dtype=torch.long, device=self.device))
-        hidden = self.model.forward(seq, embeds, self._batch(positions))
+        rope = torch.full((*self._rope_rows(), 1), rope_position, dtype=torch.int32)
+        hidden = self.model.forward(seq, embeds, self._batch(positions, rope))
         return self.model.logits(hidden)[0]
+
+    def _rope_rows(self) -> tuple[int, ...]:
+        return (3,) if self.model.config.rope.sections else ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One request after tokenization: what every later step of the path reads."""
+
+    prompt: Prompt
+    images: list[PreparedImage]
+    keys: list[bytes]          # 32-byte identity of each image
+    rope: torch.Tensor         # int32 [n] or [3, n], CPU
+    identity: list             # one hashable entry per prompt token (exact-prefix matching)
+
+    @property
+    def next_rope(self) -> int:
+        """RoPE position of the first generated token."""
+        return int(self.rope.max()) + 1 if self.rope.numel() else 0
 
 
 def _identity(prompt: Prompt, keys: list[bytes]) -> list:

@@ -78,7 +78,7 @@ def input_embeddings(model, ids: torch.Tensor, pixel_values: torch.Tensor | None
     """[n, hidden]: token embeddings with each image's features at its placeholder tokens."""
     embeds = model.embed_tokens(ids.to(model.device))
     if pixel_values is not None:
-        features = model.encode_images(pixel_values)  # [n_img, tokens_per_image, hidden]
+        features = model.encode_pixels(pixel_values)  # [n_img, tokens_per_image, hidden]
         embeds[ids.to(model.device) == model.config.image_token_id] = features.reshape(-1, features.shape[-1])
     return embeds
 
@@ -102,7 +102,7 @@ def test_image_features_match_transformers(model, reference, processor):
         expected = reference.get_image_features(
             pixel_values=pixel_values, vision_feature_layer=-2, vision_feature_select_strategy="default"
         ).pooler_output
-    ours = model.encode_images(pixel_values)
+    ours = model.encode_pixels(pixel_values)
     assert ours.shape == (3, model.config.tokens_per_image, model.config.hidden)
     torch.testing.assert_close(ours, torch.stack(list(expected)), rtol=0, atol=1e-5 * ours.abs().max().item())
 
@@ -194,7 +194,7 @@ def test_text_only_load_without_mmproj(checkpoint, reference, processor):
         hidden = prefill(text_only, seq, text_only.embed_tokens(ids), 0)
         assert_close_logits(text_only.logits(hidden[-1:])[0], reference_logits(reference, ids, None)[-1])
     with pytest.raises(ModelFormatError, match="mmproj"):
-        text_only.encode_images(torch.zeros(1, 3, 30, 30))
+        text_only.encode_pixels(torch.zeros(1, 3, 30, 30))
 
 
 @pytest.mark.parametrize("content", [b"NOPE" + bytes(40), b"GGUF\x03\x00\x00\x00" + bytes(6)])

@@ -17,7 +17,7 @@ import torch
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.gguf_names import TYPE_MMPROJ, Keys
 
-from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, VisionLanguageModel
+from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, PreparedImage, VisionLanguageModel
 
 # text model general.architecture -> module implementing it
 ARCHITECTURES: dict[str, str] = {
@@ -117,6 +117,7 @@ __all__ = [
     "LayerCapture",
     "ModelAssets",
     "ModelConfig",
+    "PreparedImage",
     "VisionLanguageModel",
     "load_model",
     "text_architecture",

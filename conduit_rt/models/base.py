@@ -10,8 +10,11 @@ position. There is no KV cache in Python.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 import torch
 
@@ -19,7 +22,7 @@ from .rope import RopeConfig
 
 if TYPE_CHECKING:
     from conduit_rt.arena import KVArena, Sequence
-    from conduit_rt.chat import ChatTemplate
+    from conduit_rt.chat import ChatTemplate, Prompt
     from conduit_rt.preprocess import ClipPreprocessParams
     from conduit_rt.tokenizer import TextTokenizer
 
@@ -47,6 +50,21 @@ class ForwardBatch:
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedImage:
+    """One image, preprocessed for the vision tower.
+
+    pixel_values: float32, CPU, in the architecture's layout ([3, H, W] for CLIP towers; flattened
+        patches [n_patches, C * T * P * P] for Qwen2-VL).
+    n_tokens: embeddings the tower + projector give for it (= image placeholder tokens in the prompt).
+    grid_thw: the (t, h, w) patch grid before merging (Qwen2-VL, for M-RoPE positions), else None.
+    """
+
+    pixel_values: torch.Tensor
+    n_tokens: int
+    grid_thw: tuple[int, int, int] | None = None
 
 
 class LayerCapture(Protocol):
@@ -122,8 +140,15 @@ class VisionLanguageModel(Protocol):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 [n] (model device) -> embeddings [n, hidden], model dtype."""
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [n_img, 3, H, W] -> [n_img, tokens_per_image, hidden], model dtype."""
+    def prepare_image(self, rgb: np.ndarray) -> PreparedImage:
+        """Decoded pixels uint8 [H, W, 3] -> the tower's input and its token count."""
+
+    def encode_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
+        """-> one [image.n_tokens, hidden] tensor per image (model dtype, model device)."""
+
+    def rope_positions(self, prompt: Prompt, images: Sequence[PreparedImage]) -> torch.Tensor:
+        """RoPE positions of the prompt's tokens: int32 [n] (rotate-half) or [3, n] (M-RoPE), CPU.
+        Tokens generated after the prompt continue from the largest position + 1, on every row."""
 
     def forward(
         self, seq: Sequence, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None

@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from conduit_rt.arena import KVArena
+from conduit_rt.chat import Prompt
 from conduit_rt.errors import ModelFormatError
 from conduit_rt.gguf_names import MODEL_TENSOR, tensor_name
 from conduit_rt.model_config import TextModelConfig, VisionModelConfig
 from conduit_rt.model_file import GGUFModelFile, load_mmproj_file, load_text_model_file
 
 from . import clip, llama
-from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig
+from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, PreparedImage
 from .rope import RopeConfig
 
 logger = logging.getLogger(__name__)
@@ -99,14 +102,34 @@ class LlavaModel(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(ids)
 
+    def prepare_image(self, rgb: np.ndarray) -> PreparedImage:
+        self._require_vision()
+        pixels = torch.from_numpy(self.assets.preprocess.preprocess(rgb))  # [3, crop_h, crop_w] float32
+        return PreparedImage(pixel_values=pixels, n_tokens=self.config.tokens_per_image)
+
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        if self.vision_tower is None:
-            raise ModelFormatError("this model was loaded without its mmproj file: it cannot encode images")
+    def encode_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
+        if not images:
+            return []
+        batch = torch.stack([image.pixel_values for image in images])
+        return list(self.encode_pixels(batch))
+
+    @torch.no_grad()
+    def encode_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [n_img, 3, H, W] -> projected features [n_img, tokens_per_image, hidden]."""
+        self._require_vision()
         features = self.vision_tower(pixel_values.to(self.device, self.dtype))  # [n_img, 1 + patches, v_hidden]
         if self.drop_cls:
             features = features[:, 1:]
         return self.multi_modal_projector(features)
+
+    def rope_positions(self, prompt: Prompt, images: Sequence[PreparedImage]) -> torch.Tensor:
+        # LLaVA numbers image tokens like text: RoPE positions are the token indices.
+        return torch.arange(len(prompt.token_ids), dtype=torch.int32)
+
+    def _require_vision(self) -> None:
+        if self.vision_tower is None:
+            raise ModelFormatError("this model was loaded without its mmproj file: it cannot encode images")
 
     @torch.no_grad()
     def forward(
