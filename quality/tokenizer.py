@@ -1,0 +1,139 @@
+"""The task model's tokenizer: a Llama-style BPE (byte fallback) whose words are single tokens.
+
+Built on the spot, deterministically: BPE merges are trained to completion on the closed word list
+of the task ("USER:", " ASSISTANT:", the tags, the colours, " and", each code character after a
+space), so every task word is one token and codes split into one token per character
+(" K7Q" -> "▁K", "7", "Q"). The pipeline (no normalizer, Metaspace "first" without splitting,
+Replace/ByteFallback/Fuse/Strip decoder, BOS post-processor) is the one transformers 5 rebuilds for
+``LlamaTokenizerFast``, so the ``tokenizers`` library reading tokenizer.json and transformers agree.
+Merges never join across "▁" (task words only start with it), so not splitting gives the same
+pieces as splitting on spaces.
+
+The chat template is LLaVA-1.5's conversation format: "USER: <image>\\n... ASSISTANT: ...</s>",
+each image part rendered where it appears in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+
+from quality.generator import CODE_ALPHABET, COLOURS, TAGS
+
+UNK, BOS, EOS = "<unk>", "<s>", "</s>"
+IMAGE_TOKEN = "<image>"
+PAD = "<pad>"
+NUM_BYTE_TOKENS = 256
+SPACE = "\u2581"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}"
+    "{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{% else %}{% set parts = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'system' %}"
+    "{% for part in parts if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}{{ ' ' }}"
+    "{% elif message['role'] == 'user' %}{{ 'USER: ' }}"
+    "{% for part in parts %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{{ ' ' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'ASSISTANT: ' }}"
+    "{% for part in parts if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}"
+    "{{ eos_token }}"
+    "{% else %}{{ raise_exception('Only system, user and assistant roles are supported.') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def task_words() -> list[str]:
+    """Every word form the task writes, spaces included ("USER:" follows BOS with no space)."""
+    words = ["USER:", " ASSISTANT:", " and", "?"]
+    words += [" " + tag for tag in TAGS] + [" " + colour for colour in COLOURS]
+    words += [" " + char for char in CODE_ALPHABET]
+    return words
+
+
+def _train_merges() -> Tokenizer:
+    """BPE trained until each task word is one piece; every printable ASCII char is in the alphabet."""
+    trainer_tokenizer = Tokenizer(BPE(unk_token=UNK))
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never")
+    alphabet = sorted(set(string.printable.strip()) | {SPACE})
+    trainer = BpeTrainer(
+        vocab_size=4096, min_frequency=1, special_tokens=[UNK, BOS, EOS], initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    trainer_tokenizer.train_from_iterator(task_words(), trainer=trainer)
+    return trainer_tokenizer
+
+
+def _llama_vocab(trained: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Llama's id layout: specials 0..2, byte tokens 3..258, then learned pieces in training order."""
+    vocab = {UNK: 0, BOS: 1, EOS: 2}
+    for byte in range(NUM_BYTE_TOKENS):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for piece, _ in sorted(trained.get_vocab().items(), key=lambda item: item[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(merge) for merge in json.loads(trained.to_str())["model"]["merges"]]
+    return vocab, merges
+
+
+def build_tokenizer() -> Tokenizer:
+    """The task tokenizer as a ``tokenizers.Tokenizer`` (``<image>`` and ``<pad>`` are the last ids)."""
+    vocab, merges = _llama_vocab(_train_merges())
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=UNK, fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tokenizer.add_special_tokens(
+        [AddedToken(token, normalized=False, special=True) for token in (UNK, BOS, EOS, IMAGE_TOKEN, PAD)]
+    )
+    return tokenizer
+
+
+def _tokenizer_config(tokenizer: Tokenizer) -> dict:
+    added = {
+        str(tokenizer.token_to_id(token)): {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True,
+        }
+        for token in (UNK, BOS, EOS, IMAGE_TOKEN, PAD)
+    }
+    return {
+        "tokenizer_class": "LlamaTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "pad_token": PAD,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "padding_side": "left",
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def write_tokenizer_files(folder: Path, tokenizer: Tokenizer) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template), special_tokens_map.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer), indent=2))
+    special = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2))

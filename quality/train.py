@@ -1,0 +1,211 @@
+"""Train the task model from scratch and ship it as a Hugging Face LLaVA folder.
+
+    python -m quality.train --out runs/quality            # GPU: the shipped model, about 8 minutes
+    python -m quality.train --out /tmp/q --tiny           # CPU smoke run, seconds
+
+Plain PyTorch: ``LlavaForConditionalGeneration`` in float32 with bfloat16 autocast on CUDA, AdamW,
+linear warmup then cosine decay over the time budget, loss on the answer tokens (and EOS) only,
+length-bucketed batches of 1-8 pages (a short page-count curriculum first). Pages are rendered once
+into a pool kept on the device; DataLoader workers only tokenize. ``--minutes`` is the wall-clock
+budget of the whole run; training stops early enough to leave room for the final evaluation.
+Writes ``<out>/model`` (bfloat16 safetensors + tokenizer + processor files) and
+``<out>/metrics.json``, and prints the metrics as the last line (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import time
+
+START_TIME = time.time()
+
+import torch  # noqa: E402
+
+from quality.data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
+from quality.evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
+from quality.model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
+from quality.tokenizer import build_tokenizer  # noqa: E402
+
+
+def log(message: str, **values) -> None:
+    """One progress line on stdout, flushed (the run is watched remotely)."""
+    elapsed = time.time() - START_TIME
+    extra = " ".join(f"{key}={value}" for key, value in values.items())
+    print(f"[{elapsed:7.1f}s] {message} {extra}".rstrip(), flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cpus = os.cpu_count() or 1
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output folder (model/ and metrics.json)")
+    parser.add_argument("--size", choices=sorted(MODEL_SIZES), default="default")
+    parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget of the whole run")
+    parser.add_argument("--max-steps", type=int, default=100_000)
+    parser.add_argument("--batch-size", type=int, default=96)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--curriculum", type=float, default=0.15, help="fraction of training to reach 8 pages")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-pages", type=int, default=60_000)
+    parser.add_argument("--eval-pages", type=int, default=4_000, help="pool size of val and of test")
+    parser.add_argument("--val-requests", type=int, default=512)
+    parser.add_argument("--test-requests", type=int, default=2_000)
+    parser.add_argument("--stale-requests", type=int, default=128, help="test requests for the stale-KV check (0: skip)")
+    parser.add_argument("--eval-every", type=int, default=1_000, help="steps between validation runs")
+    parser.add_argument("--workers", type=int, default=max(0, min(8, cpus - 2)))
+    parser.add_argument("--render-processes", type=int, default=cpus)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke preset: tiny model, a few steps")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.size, args.max_steps, args.batch_size, args.train_pages, args.eval_pages = "tiny", 3, 4, 64, 32
+        args.val_requests, args.test_requests, args.stale_requests, args.eval_every = 8, 8, 4, 2
+        args.workers, args.render_processes, args.warmup_steps = 0, 1, 1
+    return args
+
+
+def learning_rate(step: int, progress: float, args: argparse.Namespace) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to lr/10 as ``progress`` -> 1."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms, biases, position/class embeddings' 1-D rows)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = args.device.startswith("cuda")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-8, fused=fused)
+
+
+def answer_loss(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens (labels != -100), predicted from the previous position."""
+    logits = model(input_ids=batch["input_ids"], pixel_values=pixel_values, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100
+    )
+
+
+def evaluate(model, encoder, requests, pool, pool_on_device, device: str) -> tuple[float, list[str]]:
+    model.eval()
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+        answers = greedy_answers(model, encoder, requests, pool, batch_size=128, pool_pixels_on_device=pool_on_device)
+    model.train()
+    return exact_match(answers, requests), answers
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    device = args.device
+    tokenizer = build_tokenizer()
+    encoder = PromptEncoder(tokenizer)
+    train_pool = build_pool(args.seed, "train", args.train_pages, args.render_processes)
+    val_pool = build_pool(args.seed, "val", args.eval_pages, args.render_processes)
+    test_pool = build_pool(args.seed, "test", args.eval_pages, args.render_processes)
+    log("pools rendered", train=len(train_pool.pages), val=len(val_pool.pages), test=len(test_pool.pages))
+    train_pixels = torch.from_numpy(train_pool.pixels).to(device)
+    val_pixels = torch.from_numpy(val_pool.pixels).to(device)
+    val_requests = val_pool.requests(args.val_requests)
+    test_requests = test_pool.requests(args.test_requests)
+
+    model = new_model(tokenizer, MODEL_SIZES[args.size], seed=args.seed).to(device).train()
+    optimizer = make_optimizer(model, args)
+    log("model ready", parameters=count_parameters(model), device=device)
+
+    progress_value = multiprocessing.Value("d", 0.0)
+    stream = TrainStream(train_pool.pages, args.seed, tokenizer, args.batch_size, progress_value, args.curriculum)
+    loader = torch.utils.data.DataLoader(
+        stream, batch_size=None, num_workers=args.workers, pin_memory=device.startswith("cuda"),
+        prefetch_factor=8 if args.workers else None, persistent_workers=bool(args.workers),
+    )
+    # time kept for saving and the final evaluations (the stale-KV check runs one request at a time)
+    reserve_s = 30.0 + 0.25 * args.stale_requests if device.startswith("cuda") else 5.0
+    train_start = time.time()
+    train_budget = max(1.0, args.minutes * 60 - (train_start - START_TIME) - reserve_s)
+    step, tokens, running_loss, val_em, eval_seconds = 0, 0, 0.0, float("nan"), 0.0
+    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+    for batch in loader:
+        elapsed = time.time() - train_start
+        progress = max(step / args.max_steps, elapsed / train_budget)
+        if step >= args.max_steps or elapsed >= train_budget - eval_seconds:
+            break
+        progress_value.value = progress
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, progress, args)
+        batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        pixel_values = normalize_pixels(train_pixels[batch["page_ids"]])
+        with autocast:
+            loss = answer_loss(model, batch, pixel_values)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        tokens += batch["input_ids"].numel()
+        running_loss += loss.detach()
+        if step % 100 == 0 or step == args.max_steps:
+            log("train", step=step, loss=f"{float(running_loss) / (100 if step % 100 == 0 else step % 100):.4f}",
+                lr=f"{optimizer.param_groups[0]['lr']:.2e}", max_pages=max_pages_for(progress, args.curriculum),
+                tokens_per_s=f"{tokens / (time.time() - train_start):.0f}")
+            running_loss = 0.0
+        if step % args.eval_every == 0:
+            eval_start = time.time()
+            val_em, _ = evaluate(model, encoder, val_requests, val_pool, val_pixels, device)
+            eval_seconds = max(eval_seconds, time.time() - eval_start)
+            log("validation", step=step, exact_match=f"{val_em:.4f}", seconds=f"{eval_seconds:.1f}")
+    train_seconds = time.time() - train_start
+    log("training done", steps=step, seconds=f"{train_seconds:.1f}")
+    return finish(args, model, tokenizer, encoder, val_pool, test_pool, val_requests, test_requests,
+                  {"steps": step, "train_seconds": round(train_seconds, 1),
+                   "tokens_per_step": round(tokens / max(step, 1))})
+
+
+def finish(args, model, tokenizer, encoder, val_pool, test_pool, val_requests, test_requests, stats: dict) -> dict:
+    """Save the folder, then measure the saved (bfloat16) model: val, test, per page count, stale KV."""
+    from transformers import LlavaForConditionalGeneration
+
+    from quality.stale_kv import stale_kv_report
+
+    folder = write_model_folder(model, tokenizer, os.path.join(args.out, "model"))
+    del model
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    shipped = LlavaForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(args.device).eval()
+    val_answers = greedy_answers(shipped, encoder, val_requests, val_pool, batch_size=128)
+    test_answers = greedy_answers(shipped, encoder, test_requests, test_pool, batch_size=128)
+    metrics = {
+        **stats,
+        "parameters": count_parameters(shipped),
+        "model_bytes": os.path.getsize(os.path.join(folder, "model.safetensors")),
+        "val_exact_match": round(exact_match(val_answers, val_requests), 4),
+        "test_exact_match": round(exact_match(test_answers, test_requests), 4),
+        "test_exact_match_by_pages": {k: round(v, 4) for k, v in accuracy_by_pages(test_answers, test_requests).items()},
+        "test_requests": len(test_requests),
+    }
+    if args.stale_requests:
+        stale_requests = test_requests[: args.stale_requests]
+        metrics["stale_kv"] = stale_kv_report(shipped, encoder, stale_requests, test_pool)
+    metrics["total_seconds"] = round(time.time() - START_TIME, 1)
+    with open(os.path.join(args.out, "metrics.json"), "w") as file:
+        json.dump(metrics, file, indent=2)
+    print(json.dumps(metrics), flush=True)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    log("start", **{key: value for key, value in vars(args).items() if key not in ("out",)})
+    train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The quality task (quality/): generator, tokenizer and folder, training smoke run, stale-KV reference.
+
+References are independent of the code under test where one exists: transformers' AutoTokenizer,
+AutoProcessor and LlavaForConditionalGeneration, the project's chat code, and a template-matching
+reader that recovers each page's fields from its pixels alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from quality import data, generator
+from quality.font import GLYPH_CHARS, GLYPH_HEIGHT, GLYPH_WIDTH, glyph_mask
+from quality.generator import CELL_SIZE, COLOURS, GRID_SIZE, page_for
+from quality.model_config import MODEL_SIZES, NUM_IMAGE_TOKENS, new_model, write_model_folder
+from quality.tokenizer import build_tokenizer, task_words
+
+transformers = pytest.importorskip("transformers")
+
+SEED = 7
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    return {split: data.build_pool(SEED, split, 40) for split in generator.SPLITS}
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tokenizer):
+    """A tiny task model with perturbed weights (logits far from uniform), saved in float32."""
+    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=3)
+    noise = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=noise))
+    return write_model_folder(model, tokenizer, tmp_path_factory.mktemp("tiny_quality"), dtype=torch.float32)
+
+
+def read_page(pixels: np.ndarray) -> dict[str, str]:
+    """Recover {colour: code} from a page's pixels [64, 64, 3] alone: match each inked cell
+    against every glyph and colour, then join coloured cells left to right within each row."""
+    cells: dict[str, list[tuple[int, int, str]]] = {}
+    masks = {char: np.asarray(glyph_mask(char), dtype=bool) for char in GLYPH_CHARS}
+    for row in range(GRID_SIZE):
+        for column in range(GRID_SIZE):
+            cell = pixels[row * CELL_SIZE : (row + 1) * CELL_SIZE, column * CELL_SIZE : (column + 1) * CELL_SIZE]
+            ink = (cell != 255).any(axis=-1)
+            if not ink.any():
+                continue
+            inner = ink[1 : 1 + GLYPH_HEIGHT, 1 : 1 + GLYPH_WIDTH]
+            chars = [char for char, mask in masks.items() if np.array_equal(mask, inner)]
+            colours = [name for name, rgb in COLOURS.items() if (cell[ink] == rgb).all()]
+            assert len(chars) == 1 and ink.sum() == inner.sum()
+            for colour in colours:
+                cells.setdefault(colour, []).append((row, column, chars[0]))
+    return {colour: "".join(char for _, _, char in sorted(found)) for colour, found in cells.items()}
+
+
+def test_glyphs_are_distinct():
+    masks = {char: np.asarray(glyph_mask(char)).tobytes() for char in GLYPH_CHARS}
+    assert len(set(masks.values())) == len(GLYPH_CHARS) == 27
+
+
+def test_pages_and_requests_are_deterministic_from_the_seed(pools):
+    again = data.build_pool(SEED, "train", 40, processes=2)
+    assert again.pages == pools["train"].pages
+    assert np.array_equal(again.pixels, pools["train"].pixels)
+    assert again.requests(20) == pools["train"].requests(20)
+    other_seed = data.build_pool(SEED + 1, "train", 40)
+    assert [p.key for p in other_seed.pages] != [p.key for p in pools["train"].pages]
+
+
+def test_splits_never_share_a_page(pools):
+    keys = {split: {page.key for page in pool.pages} for split, pool in pools.items()}
+    assert not keys["train"] & keys["val"] and not keys["train"] & keys["test"] and not keys["val"] & keys["test"]
+    for split, pool in pools.items():
+        assert {page.split for page in pool.pages} == {split}
+        for request in pool.requests(10):
+            assert request.split == split and all(pool.pages[i] == page for i, page in zip(request.page_ids, request.pages))
+
+
+def test_rendered_page_shows_every_code_in_its_colour(pools, tmp_path):
+    pool = pools["test"]
+    for page, pixels in zip(pool.pages, pool.pixels):
+        assert read_page(pixels) == {field.colour: field.code for field in page.fields}
+    pool.pages[0].render().resize((256, 256), 0).save(tmp_path / "page.png")  # for a human look
+
+
+def test_question_answer_and_distractors(pools):
+    pool = pools["train"]
+    requests = pool.requests(200)
+    assert {r.num_pages for r in requests} == set(range(1, 9)) and {len(r.asks) for r in requests} == {1, 2}
+    for request in requests:
+        assert len(set(request.tags)) == request.num_pages
+        codes = [read_page(pool.pixels[request.page_ids[ask.position]])[ask.colour] for ask in request.asks]
+        assert request.answer == " ".join(codes)
+        for ask in request.asks:
+            others = [p for i, p in enumerate(request.pages) if i != ask.position]
+            shared = set(request.pages[ask.position].colours) & {c for p in others for c in p.colours}
+            assert not shared or ask.colour in shared
+
+
+def test_retagged_request_changes_every_tag_and_keeps_the_answer(pools):
+    for request in pools["val"].requests(30, min_pages=2):
+        seen = generator.retagged_request(request, salt=1)
+        assert seen.answer == request.answer and sorted(seen.page_ids) == sorted(request.page_ids)
+        old_tag = dict(zip(request.page_ids, request.tags))
+        assert all(tag != old_tag[page_id] for page_id, tag in zip(seen.page_ids, seen.tags))
+
+
+def test_tokenizer_agrees_with_transformers_and_keeps_task_words_whole(tiny_folder, tokenizer, pools):
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_folder)
+    for request in pools["val"].requests(10):
+        text = data.prompt_text(request, request.answer)
+        assert hf(text, add_special_tokens=False).input_ids == tokenizer.encode(text, add_special_tokens=False).ids
+        assert hf.decode(tokenizer.encode(" " + request.answer, add_special_tokens=False).ids) == request.answer
+    for word in task_words():  # after BOS, as in a prompt ("USER:" alone would get a leading "▁")
+        assert len(tokenizer.encode("<s>" + word, add_special_tokens=False).ids) == 2, word
+    assert len(tokenizer.encode("<s> K7Q", add_special_tokens=False).ids) == 4
+
+
+def test_prompt_matches_the_chat_template_processor_and_project_chat(tiny_folder, tokenizer, pools):
+    from conduit_rt.chat import ChatTemplate, build_prompt
+    from conduit_rt.tokenizer import TextTokenizer
+
+    processor = transformers.AutoProcessor.from_pretrained(tiny_folder)
+    text_tokenizer, template = TextTokenizer.from_hf_folder(tiny_folder)
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["test"]
+    for request in pool.requests(6):
+        messages = request.messages()
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert text == data.prompt_text(request)
+        ours = encoder.encode([request], with_answer=False)[0]
+        images = [page.render() for page in request.pages]
+        hf = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+        assert hf.input_ids[0].tolist() == ours.ids.tolist()
+        expected = data.normalize_pixels(torch.from_numpy(pool.pixels[list(request.page_ids)]))
+        torch.testing.assert_close(hf.pixel_values, expected, atol=1e-6, rtol=0)
+        prompt = build_prompt(messages, ChatTemplate(template), text_tokenizer, encoder.image_token_id, NUM_IMAGE_TOKENS)
+        assert prompt.token_ids == ours.ids.tolist()
+
+
+def test_training_labels_are_the_answer_and_eos(tokenizer, pools):
+    encoder = data.PromptEncoder(tokenizer)
+    requests = pools["train"].requests(5)
+    batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id)
+    assert batch["input_ids"].shape[1] % data.PAD_MULTIPLE == 0
+    assert batch["page_ids"].tolist() == [i for r in requests for i in r.page_ids]
+    for row, request in enumerate(requests):
+        labels = batch["labels"][row][batch["labels"][row] != data.IGNORE_INDEX].tolist()
+        assert labels[-1] == encoder.eos_token_id and encoder.decode(labels) == request.answer
+        assert (batch["input_ids"][row] == encoder.image_token_id).sum() == NUM_IMAGE_TOKENS * request.num_pages
+
+
+def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools):
+    from quality.train import answer_loss
+
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["train"]
+    batch = data.collate_for_training(encoder.encode(pool.requests(4, max_pages=2), with_answer=True), encoder.pad_token_id)
+    pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
+    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=0).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = answer_loss(model, batch, pixel_values)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_tiny_training_run_saves_a_loadable_folder(tmp_path):
+    from quality.train import main
+
+    main(["--out", str(tmp_path), "--tiny", "--stale-requests", "0"])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and 0 <= metrics["test_exact_match"] <= 1
+    folder = tmp_path / "model"
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder)
+    assert model.dtype == torch.bfloat16 and model.config.image_seq_length == NUM_IMAGE_TOKENS
+    assert type(transformers.AutoProcessor.from_pretrained(folder)).__name__ == "LlavaProcessor"
+
+
+def full_last_logits(model, encoder, request, pool):
+    item = encoder.encode([request], with_answer=False)[0]
+    pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels[list(request.page_ids)]))
+    return model(input_ids=torch.from_numpy(item.ids)[None], pixel_values=pixel_values).logits[0, -1]
+
+
+@torch.no_grad()
+def test_stale_kv_from_the_request_itself_equals_full_prefill(tiny_folder, tokenizer, pools):
+    from quality import stale_kv
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_folder).eval()
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["test"]
+    for request in pool.requests(3, min_pages=2):
+        reference = full_last_logits(model, encoder, request, pool)
+        for source in stale_kv.SOURCES:
+            pages_kv = stale_kv.source_page_kv(model, encoder, request, pool, source)
+            _, hidden, _ = stale_kv.prefill_with_page_kv(model, encoder, request, pages_kv)
+            logits = model.lm_head(hidden)[0]
+            if source == "fresh":
+                torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+            else:
+                assert (logits - reference).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_stale_page_kv_differs_only_beyond_the_first_layer(tiny_folder, tokenizer, pools):
+    """Layer 0's K and V of an image token depend on the token alone; deeper ones on its context."""
+    from quality import stale_kv
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_folder).eval()
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["val"]
+    request = pool.requests(1, min_pages=3)[0]
+    fresh = stale_kv.source_page_kv(model, encoder, request, pool, "fresh")
+    for source in ("isolated", "retagged"):
+        stale = stale_kv.source_page_kv(model, encoder, request, pool, source)
+        for fresh_page, stale_page in zip(fresh, stale):
+            torch.testing.assert_close(stale_page[0], fresh_page[0], atol=1e-5, rtol=1e-5)
+            assert (stale_page[-1][1] - fresh_page[-1][1]).abs().max() > 1e-4
+
+
+def test_stale_kv_report_runs(tiny_folder, tokenizer, pools):
+    from quality.stale_kv import stale_kv_report
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_folder).eval()
+    requests = pools["test"].requests(3)
+    report = stale_kv_report(model, data.PromptEncoder(tokenizer), requests, pools["test"])
+    assert report["requests"] == 3 and report["fresh_agrees_with_full"] == 1.0
+    assert {f"{s}_exact_match" for s in ("fresh", "isolated", "retagged")} <= set(report)
