@@ -190,6 +190,10 @@ class KVArena:
         native.check(status, "looking up an image entry")
         return ImageEntry(self, out[0])
 
+    def has_image(self, key: bytes) -> bool:
+        """Whether a committed entry exists under ``key`` (not counted as a use)."""
+        return bool(self._lib.conduit_image_contains(self.handle, _key(key)))
+
     def evict_image(self, key: bytes) -> None:
         native.check(self._lib.conduit_image_evict(self.handle, _key(key)), "evicting an image entry")
 

@@ -1,79 +1,41 @@
 """The Runtime: load a converted model and answer chat requests on the native KV arena.
 
 The request path, top-down (``Runtime._run``), one owner per step:
-  1. messages -> chat template -> token ids and segments            (chat.build_prompt)
-  2. images -> pixels -> identity, features                          (preprocess, model.encode_images)
-  3. plan: which prefix of the sequence is already in the arena      (ChatSession exact-prefix reuse)
-  4. prefill the rest in chunks through the decoder                  (model.forward on the arena)
+  1. messages -> chat template -> token ids and segments        (chat.build_prompt)
+  2. images -> pixels -> identity, prepared tower input         (preprocess, model.prepare_image)
+  3. plan: the exact prefix already in the arena (chat session or prefix cache), and which images
+     are restored from the image-KV store                        (PrefixCache, ImageKVStore)
+  4. prefill: restore, text pass, score, select, recompute     (reuse.ReusePass, refresh policies)
   5. decode: sample, append, forward one token at a time; stream text (sampling, tokenizer)
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import native
-from .chat import Prompt, build_prompt, validate_messages
-from .errors import RequestError
+from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
+from .errors import ArenaFullError, RequestError
+from .image_cache import EmbeddingCache, ImageKVStore
 from .models.base import ForwardBatch, PreparedImage
+from .prefix_cache import PrefixCache
 from .preprocess import image_key, to_rgb_array
+from .refresh import RefreshOptions, RefreshPolicy, get_policy
+from .results import GenerationResult, GenerationStats, TextStream
+from .reuse import ReusePass, RestoredImage
 from .sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 2048
 DEFAULT_CONTEXT_TOKENS = 32768
-
-
-@dataclass(slots=True)
-class GenerationStats:
-    """What one request cost (times in seconds, sizes in bytes)."""
-
-    ttft_s: float = 0.0                # request start -> first token sampled
-    prefill_tokens: int = 0            # prompt tokens computed in this request
-    reused_tokens: int = 0             # prompt tokens whose KV was already in the arena (chat session)
-    prompt_tokens: int = 0
-    decode_tokens: int = 0             # tokens generated
-    decode_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    total_s: float = 0.0
-    images: int = 0
-    kv_bytes: int = 0                  # arena bytes held by the request's sequence at the end
-    finish_reason: str = ""            # "eos", "stop" or "length"
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    """The answer: ``text``, its ``tokens``, the per-step ``logits`` ([steps, vocab] float32, when
-    asked) and ``stats``."""
-
-    text: str
-    tokens: list[int]
-    stats: GenerationStats
-    logits: torch.Tensor | None = None
-
-
-class TextStream:
-    """Iterate to get text pieces as they decode; ``result`` is set once the stream is exhausted."""
-
-    def __init__(self, pieces: Iterator[str], holder: list) -> None:
-        self._pieces = pieces
-        self._holder = holder
-
-    def __iter__(self) -> Iterator[str]:
-        return self._pieces
-
-    @property
-    def result(self) -> GenerationResult:
-        if not self._holder:
-            raise RuntimeError("the stream has not finished yet; iterate it to the end first")
-        return self._holder[0]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -84,12 +46,44 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass(slots=True)
-class _Turn:
-    """The state a chat session keeps between requests: its sequence and what is in it."""
+@dataclass(frozen=True, slots=True)
+class RefreshSpec:
+    """How a request treats cached images: ``policy`` None means never restore (exact prefill)."""
 
-    seq: Any = None
-    identity: list = field(default_factory=list)  # one entry per position in the sequence
+    policy: RefreshPolicy | None
+    ratio: float
+    options: RefreshOptions
+
+    @classmethod
+    def build(cls, refresh: str | None, ratio: float, options: RefreshOptions | dict | None) -> "RefreshSpec":
+        if isinstance(options, dict):
+            options = RefreshOptions(**options)
+        return cls(get_policy(refresh) if refresh else None, float(ratio), options or RefreshOptions())
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One request after tokenization: what every later step of the path reads."""
+
+    prompt: Prompt
+    payloads: list                 # the images as the caller gave them
+    images: list[PreparedImage]
+    keys: list[bytes]              # 32-byte identity of each image
+    rope: torch.Tensor             # int32 [n] or [3, n], CPU
+    identity: list                 # one hashable entry per prompt token (exact-prefix matching)
+
+    @property
+    def next_rope(self) -> int:
+        """RoPE position of the first generated token."""
+        return int(self.rope.max()) + 1 if self.rope.numel() else 0
+
+    def query_positions(self, query_tokens: int | None) -> list[int]:
+        """The query rows of scoring: the trailing text segment, or the last ``query_tokens`` tokens."""
+        n = len(self.prompt.token_ids)
+        if query_tokens is not None:
+            return list(range(max(0, n - query_tokens), n))
+        tail = self.prompt.segments[-1]
+        return list(range(tail.start, n)) if isinstance(tail, TextRun) else [n - 1]
 
 
 class Runtime:
@@ -102,10 +96,14 @@ class Runtime:
         dtype: weights and KV dtype; default bfloat16 on CUDA, float32 on CPU.
         kv_cache_bytes: size of the KV arena; default: room for 32K tokens (capped at half of the
             free GPU memory).
+        image_cache_bytes: the image-KV store's LRU budget inside the arena (default: a quarter of
+            it); the embedding cache gets a sixteenth of this on top.
+        prefix_cache_entries: recent sequences kept for exact-prefix reuse across requests.
     """
 
     def __init__(self, model_path: str | Path, mmproj: str | Path | None = None, device: str | torch.device = "auto",
-                 dtype: torch.dtype | None = None, kv_cache_bytes: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, kv_cache_bytes: int | None = None,
+                 image_cache_bytes: int | None = None, prefix_cache_entries: int = 4) -> None:
         from .models import load_model
 
         self.device = resolve_device(device)
@@ -115,7 +113,12 @@ class Runtime:
             mmproj = model_path.parent / "mmproj.gguf"
         self.model = load_model(model_path, mmproj, self.device, self.dtype)
         self.assets = self.model.assets  # tokenizer, chat template, preprocessing, ids
-        self.arena = self.model.new_arena(self._kv_bytes(kv_cache_bytes))
+        kv_bytes = self._kv_bytes(kv_cache_bytes)
+        image_bytes = kv_bytes // 4 if image_cache_bytes is None else int(image_cache_bytes)
+        self.arena = self.model.new_arena(kv_bytes, image_cache_bytes=image_bytes)
+        self.image_kv = ImageKVStore(self.arena)
+        self.embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
+        self.prefix_cache = PrefixCache(prefix_cache_entries)
         logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
                     self.arena.kv_bytes / 2**20)
 
@@ -132,46 +135,58 @@ class Runtime:
 
     # -- public API -----------------------------------------------------------------------------------
     def generate(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: str | list[str] | None = None,
-                 return_logits: bool = False) -> GenerationResult:
-        """Answers the messages (OpenAI chat style, images as parts) in one go."""
-        stream = self.stream(messages, max_tokens, temperature, top_p, seed, stop, return_logits)
+                 seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False,
+                 refresh: str | None = None, refresh_budget: float = 0.1,
+                 refresh_options: RefreshOptions | dict | None = None) -> GenerationResult:
+        """Answers the messages (OpenAI chat style, images as parts) in one go.
+
+        refresh: None restores no image KV (every token not in an exact prefix is computed); a policy
+        name ("conduit", "full", "none", "first", "random", "attention", "cacheblend") restores
+        cached images at their new positions and recomputes ``refresh_budget`` of their tokens.
+        """
+        stream = self.stream(messages, max_tokens, temperature, top_p, seed, stop, return_logits, refresh,
+                             refresh_budget, refresh_options)
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False) -> TextStream:
+               seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False,
+               refresh: str | None = None, refresh_budget: float = 0.1,
+               refresh_options: RefreshOptions | dict | None = None) -> TextStream:
         """Like ``generate``, yielding text pieces as they decode; ``.result`` holds the whole answer."""
         sampling = SamplingParams.build(max_tokens, temperature, top_p, seed, stop)
+        spec = RefreshSpec.build(refresh, refresh_budget, refresh_options)
         holder: list = []
-        return TextStream(self._run(messages, sampling, return_logits, None, holder), holder)
+        return TextStream(self._run(messages, sampling, spec, return_logits, None, holder), holder)
 
     def chat(self) -> "ChatSession":
         """A multi-turn session that keeps its sequence in the arena between turns."""
+        from .session import ChatSession
+
         return ChatSession(self)
 
     # -- the request path -----------------------------------------------------------------------------
-    def _run(self, messages: list[dict], sampling: SamplingParams, return_logits: bool, turn: _Turn | None,
-             holder: list) -> Iterator[str]:
+    def _run(self, messages: list[dict], sampling: SamplingParams, spec: RefreshSpec, return_logits: bool,
+             turn: Any, holder: list) -> Iterator[str]:
         start = time.perf_counter()
-        request = self._request(messages)                                 # 1, 2
-        seq, reused = self._plan(turn, request.identity)                  # 3
-        n = len(request.prompt.token_ids)
-        stats = GenerationStats(prompt_tokens=n, reused_tokens=reused, prefill_tokens=n - reused,
-                                images=len(request.images))
+        request = self._request(messages)                                     # 1, 2
         try:
-            logits = self._prefill(seq, request, reused)                  # 4
+            seq, logits, stats = self._prefill_planned(request, spec, turn)   # 3, 4
+        except ArenaFullError:  # kept prefixes may hold the room: drop them and try once more
+            self.prefix_cache.clear()
+            seq, logits, stats = self._prefill_planned(request, spec, turn)
+        try:
             yield from self._decode(seq, logits, request, sampling, return_logits, stats, start, holder)  # 5
         finally:
+            generated = holder[0].tokens if holder else []
+            identity = (request.identity + [("t", t) for t in generated])[: seq.n_tokens(0)]
             if turn is None:
-                seq.free()
+                self.prefix_cache.insert(identity, seq)
             else:
-                generated = holder[0].tokens if holder else []
-                turn.seq = seq
-                turn.identity = (request.identity + [("t", t) for t in generated])[: seq.n_tokens(0)]
+                turn.seq, turn.identity = seq, identity
 
-    def _request(self, messages: list[dict]) -> "_Request":
+    def _request(self, messages: list[dict]) -> _Request:
         """Messages -> prompt tokens and segments, prepared images, their identities, RoPE positions."""
         a = self.assets
         _, payloads = validate_messages(messages)
@@ -183,50 +198,115 @@ class Runtime:
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
                               [image.n_tokens for image in images])
         rope = self.model.rope_positions(prompt, images)
-        return _Request(prompt, images, keys, rope, _identity(prompt, keys))
+        return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys))
 
-    def _plan(self, turn: _Turn | None, identity: list) -> tuple[Any, int]:
-        """The sequence to prefill into and how many leading tokens it already holds (exact prefix)."""
-        if turn is None or turn.seq is None:
-            return self.arena.new_sequence(), 0
-        reused = 0
-        for held, new in zip(turn.identity, identity):
-            if held != new:
-                break
-            reused += 1
-        reused = min(reused, len(identity) - 1)  # the last prompt token is always recomputed: its logits
-        turn.seq.truncate(reused)
-        return turn.seq, reused
-
-    def _prefill(self, seq, request: "_Request", reused: int) -> torch.Tensor:
-        """Runs prompt tokens [reused, n) through the decoder; returns the last token's logits [vocab]."""
-        embeds = self._embeddings(request, reused)
+    def _prefill_planned(self, request: _Request, spec: RefreshSpec, turn: Any) -> tuple[Any, torch.Tensor, GenerationStats]:
+        """Plans the exact prefix and the restored images, then runs the prefill (``ReusePass``)."""
+        seq, reused = self._exact_prefix(turn, request.identity)
         n = len(request.prompt.token_ids)
-        hidden = None
-        for lo in range(reused, n, PREFILL_CHUNK):
-            hi = min(lo + PREFILL_CHUNK, n)
-            positions = torch.arange(lo, hi, dtype=torch.int32)
-            seq.append(positions)
-            batch = self._batch(positions, request.rope[..., lo:hi])
-            hidden = self.model.forward(seq, embeds[lo - reused: hi - reused], batch)
-        return self.model.logits(hidden[-1:])[0]
+        stats = GenerationStats(prompt_tokens=n, reused_tokens=reused, prefill_tokens=n - reused,
+                                images=len(request.images))
+        restored = []
+        try:
+            restored, store = self._plan_images(request, reused, spec, stats)
+            reuse = ReusePass(self.model, seq, request.rope, n, reused, restored,
+                              lambda positions: self._embeddings(request, positions),
+                              request.query_positions(spec.options.query_tokens), store)
+            logits, capture = reuse.run(spec.policy, spec.ratio, spec.options)
+            for key in store:
+                self.image_kv.store(key, *capture.stored(key, self.model.config.n_layers))
+        except BaseException:
+            seq.free()
+            raise
+        finally:
+            for image in restored:
+                image.cached.release()
+        r = reuse.stats
+        stats.visual_tokens, stats.refreshed_tokens = r.visual_tokens, r.refreshed_tokens
+        stats.recomputed_token_layers = r.recomputed_token_layers
+        stats.prefill_flops_ratio = r.prefill_flops / r.full_prefill_flops if r.full_prefill_flops else 0.0
+        return seq, logits, stats
 
-    def _embeddings(self, request: "_Request", reused: int) -> torch.Tensor:
-        """Input embeddings of prompt tokens [reused, n): [n - reused, hidden], model dtype."""
-        prompt = request.prompt
-        ids = torch.tensor(prompt.token_ids[reused:], dtype=torch.long, device=self.device)
+    def _exact_prefix(self, turn: Any, identity: list) -> tuple[Any, int]:
+        """A sequence holding the longest known exact prefix of the prompt, and its length."""
+        if turn is not None and turn.seq is not None:
+            seq, reused = turn.seq, _common_prefix(turn.identity, identity)
+        else:
+            seq, reused = self.prefix_cache.longest(identity)
+            if seq is None:
+                return self.arena.new_sequence(), 0
+        reused = min(reused, len(identity) - 1)  # the last prompt token is always computed: its logits
+        seq.truncate(reused)
+        return seq, reused
+
+    def _plan_images(self, request: _Request, reused: int, spec: RefreshSpec,
+                     stats: GenerationStats) -> tuple[list[RestoredImage], dict[bytes, tuple[int, int]]]:
+        """Sorts the images after the exact prefix into restored (cache hit) and computed (miss, to
+        be stored as the request computes them)."""
+        restored, store = [], {}
+        for slot in request.prompt.image_slots:
+            key = request.keys[slot.image_index]
+            if slot.start + slot.n_tokens <= reused:
+                stats.image_hits += 1  # inside the exact prefix
+                continue
+            cached = self.image_kv.acquire(key) if spec.policy is not None and slot.start >= reused else None
+            if cached is not None:
+                stats.image_hits += 1
+                restored.append(RestoredImage(slot, cached))
+                continue
+            stats.image_misses += 1
+            if spec.policy is not None and spec.options.fill == "isolated" and self.image_kv.enabled:
+                self._fill_isolated(request, slot)  # then restored and refreshed like a hit
+                cached = self.image_kv.acquire(key)
+                if cached is not None:
+                    restored.append(RestoredImage(slot, cached))
+                    continue
+            if self.image_kv.enabled and key not in store and not self.arena.has_image(key):
+                store[key] = (slot.start, slot.start + slot.n_tokens)  # stored as this request computes it
+        return restored, store
+
+    def _fill_isolated(self, request: _Request, slot: ImageSlot) -> None:
+        """Computes an image's KV alone in a one-image chat wrapper and stores it."""
+        a = self.assets
+        payload, image = request.payloads[slot.image_index], request.images[slot.image_index]
+        messages = [{"role": "user", "content": [{"type": "image", "image": payload}]}]
+        prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, [image.n_tokens])
+        key = request.keys[slot.image_index]
+        wrapper = _Request(prompt, [payload], [image], [key], self.model.rope_positions(prompt, [image]), [])
+        (image_slot,) = prompt.image_slots
+        span = {key: (image_slot.start, image_slot.start + image_slot.n_tokens)}
+        seq = self.arena.new_sequence()
+        try:
+            fill = ReusePass(self.model, seq, wrapper.rope, len(prompt.token_ids), 0, [],
+                             lambda positions: self._embeddings(wrapper, positions), [], span)
+            _, capture = fill.run(None, 0.0, RefreshOptions())
+            self.image_kv.store(key, *capture.stored(key, self.model.config.n_layers))
+        finally:
+            seq.free()
+
+    def _embeddings(self, request: _Request, positions: list[int]) -> torch.Tensor:
+        """Input embeddings of prompt positions: [len(positions), hidden], model dtype; image tokens
+        take their image's features (from the embedding cache, or the vision tower on a miss)."""
+        ids = torch.tensor([request.prompt.token_ids[p] for p in positions], dtype=torch.long, device=self.device)
         embeds = self.model.embed_tokens(ids)
-        slots = [s for s in prompt.image_slots if s.start + s.n_tokens > reused]
-        features = self.model.encode_images([request.images[s.image_index] for s in slots])
-        for slot, feats in zip(slots, features):
-            lo = max(slot.start, reused)
-            embeds[lo - reused: slot.start + slot.n_tokens - reused] = feats[lo - slot.start:]
+        index = torch.tensor(positions, dtype=torch.long)
+        for slot in request.prompt.image_slots:
+            inside = (index >= slot.start) & (index < slot.start + slot.n_tokens)
+            if bool(inside.any()):
+                features = self._image_features(request, slot.image_index)
+                rows = torch.nonzero(inside).flatten()
+                embeds[rows.to(self.device)] = features[(index[rows] - slot.start).to(self.device)]
         return embeds
 
-    def _batch(self, positions: torch.Tensor, rope: torch.Tensor) -> ForwardBatch:
-        return ForwardBatch(positions=positions.to(self.device), rope_positions=rope.to(self.device).contiguous())
+    def _image_features(self, request: _Request, image_index: int) -> torch.Tensor:
+        key = request.keys[image_index]
+        features = self.embeddings.get(key)
+        if features is None:
+            (features,) = self.model.encode_images([request.images[image_index]])
+            self.embeddings.put(key, features)
+        return features
 
-    def _decode(self, seq, logits: torch.Tensor, request: "_Request", sampling: SamplingParams, return_logits: bool,
+    def _decode(self, seq, logits: torch.Tensor, request: _Request, sampling: SamplingParams, return_logits: bool,
                 stats: GenerationStats, start: float, holder: list) -> Iterator[str]:
         sampler = Sampler(sampling, self.device)
         detok = self.assets.tokenizer.detokenizer()
@@ -277,31 +357,13 @@ class Runtime:
 
     def _step(self, seq, token: int, position: int, rope_position: int) -> torch.Tensor:
         """One decode step: the token at causal ``position`` -> next-token logits [vocab]."""
-        positions = torch.tensor([position], dtype=torch.int32)
-        seq.append(positions)
+        positions = torch.tensor([position], dtype=torch.int32, device=self.device)
+        seq.append([position])
         embeds = self.model.embed_tokens(torch.tensor([token], dtype=torch.long, device=self.device))
-        rope = torch.full((*self._rope_rows(), 1), rope_position, dtype=torch.int32)
-        hidden = self.model.forward(seq, embeds, self._batch(positions, rope))
+        rows = (3, 1) if self.model.config.rope.sections else (1,)
+        rope = torch.full(rows, rope_position, dtype=torch.int32, device=self.device)
+        hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope))
         return self.model.logits(hidden)[0]
-
-    def _rope_rows(self) -> tuple[int, ...]:
-        return (3,) if self.model.config.rope.sections else ()
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    """One request after tokenization: what every later step of the path reads."""
-
-    prompt: Prompt
-    images: list[PreparedImage]
-    keys: list[bytes]          # 32-byte identity of each image
-    rope: torch.Tensor         # int32 [n] or [3, n], CPU
-    identity: list             # one hashable entry per prompt token (exact-prefix matching)
-
-    @property
-    def next_rope(self) -> int:
-        """RoPE position of the first generated token."""
-        return int(self.rope.max()) + 1 if self.rope.numel() else 0
 
 
 def _identity(prompt: Prompt, keys: list[bytes]) -> list:
@@ -313,42 +375,15 @@ def _identity(prompt: Prompt, keys: list[bytes]) -> list:
     return out
 
 
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(cuts) if cuts else None
-
-
-class ChatSession:
-    """A conversation whose sequence stays in the arena: each turn prefills only what is new.
-
-    ``send`` takes the new user message (a string, or a content list with images), answers it and
-    keeps both in the history; ``history`` is the whole conversation in chat format.
-    """
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.history: list[dict] = []
-        self._turn = _Turn()
-
-    def send(self, content: str | list[dict], **kwargs: Any) -> GenerationResult:
-        stream = self.stream(content, **kwargs)
-        for _ in stream:
-            pass
-        return stream.result
-
-    def stream(self, content: str | list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False) -> TextStream:
-        sampling = SamplingParams.build(max_tokens, temperature, top_p, seed, stop)
-        messages = self.history + [{"role": "user", "content": content}]
-        holder: list = []
-
-        def pieces() -> Iterator[str]:
-            yield from self.runtime._run(messages, sampling, return_logits, self._turn, holder)
-            self.history = messages + [{"role": "assistant", "content": holder[0].text}]
-
-        return TextStream(pieces(), holder)
-
-    def close(self) -> None:
-        if self._turn.seq is not None:
-            self._turn.seq.free()
-            self._turn = _Turn()

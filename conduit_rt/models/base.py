@@ -10,7 +10,6 @@ position. There is no KV cache in Python.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -143,10 +142,10 @@ class VisionLanguageModel(Protocol):
     def prepare_image(self, rgb: np.ndarray) -> PreparedImage:
         """Decoded pixels uint8 [H, W, 3] -> the tower's input and its token count."""
 
-    def encode_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
+    def encode_images(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """-> one [image.n_tokens, hidden] tensor per image (model dtype, model device)."""
 
-    def rope_positions(self, prompt: Prompt, images: Sequence[PreparedImage]) -> torch.Tensor:
+    def rope_positions(self, prompt: Prompt, images: list[PreparedImage]) -> torch.Tensor:
         """RoPE positions of the prompt's tokens: int32 [n] (rotate-half) or [3, n] (M-RoPE), CPU.
         Tokens generated after the prompt continue from the largest position + 1, on every row."""
 
@@ -154,6 +153,11 @@ class VisionLanguageModel(Protocol):
         self, seq: Sequence, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
     ) -> torch.Tensor:
         """embeds [n, hidden] -> hidden states [n, hidden] (final norm NOT applied); writes KV."""
+
+    def forward_layer(
+        self, layer: int, seq: Sequence, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """One decoder layer (layer-wise recompute): x [n, hidden] -> [n, hidden]; writes that layer's KV."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> final norm + LM head, float32 [n, vocab]."""

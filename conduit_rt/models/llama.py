@@ -39,9 +39,12 @@ _BIAS_TENSORS = {
 }
 
 
-def gguf_tensor_map(n_layers: int, attention_bias: bool, tie_word_embeddings: bool) -> dict[str, str]:
+def gguf_tensor_map(
+    n_layers: int, attention_bias: bool, tie_word_embeddings: bool, output_bias: bool | None = None
+) -> dict[str, str]:
     """Parameter name of ``LlamaDecoder`` -> GGUF tensor name. Tied embeddings: ``lm_head.weight``
-    maps to ``token_embd.weight`` (one tensor, two parameters)."""
+    maps to ``token_embd.weight`` (one tensor, two parameters). ``output_bias`` (default: same as
+    ``attention_bias``) False leaves o_proj without a bias, as in Qwen2."""
     embed = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
     mapping = {
         "embed_tokens.weight": embed,
@@ -49,6 +52,8 @@ def gguf_tensor_map(n_layers: int, attention_bias: bool, tie_word_embeddings: bo
         "lm_head.weight": embed if tie_word_embeddings else tensor_name(MODEL_TENSOR.OUTPUT),
     }
     per_layer = _LAYER_TENSORS | (_BIAS_TENSORS if attention_bias else {})
+    if attention_bias and output_bias is False:
+        per_layer = {param: kind for param, kind in per_layer.items() if param != "self_attn.o_proj.bias"}
     for layer in range(n_layers):
         for param, (kind, suffix) in per_layer.items():
             mapping[f"layers.{layer}.{param}"] = tensor_name(kind, suffix, layer)
@@ -71,13 +76,15 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, bias: bool) -> None:
+    """``bias``: q/k/v (and, unless ``output_bias`` is False, o_proj) have biases."""
+
+    def __init__(self, config: ModelConfig, bias: bool, output_bias: bool | None = None) -> None:
         super().__init__()
         q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden, q_rows, bias=bias)
         self.k_proj = nn.Linear(config.hidden, kv_rows, bias=bias)
         self.v_proj = nn.Linear(config.hidden, kv_rows, bias=bias)
-        self.o_proj = nn.Linear(q_rows, config.hidden, bias=bias)
+        self.o_proj = nn.Linear(q_rows, config.hidden, bias=bias if output_bias is None else output_bias)
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.scale = config.attention_scale
 
@@ -115,10 +122,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_bias: bool) -> None:
+    def __init__(self, config: ModelConfig, attention_bias: bool, output_bias: bool | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention_bias)
+        self.self_attn = LlamaAttention(config, attention_bias, output_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden, config.intermediate)
 
@@ -139,14 +146,17 @@ class LlamaDecoder(nn.Module):
     """Token embeddings, the decoder layers, the final norm and the LM head.
 
     Built on the meta device and filled with ``load_state_dict(..., assign=True)``; call
-    ``init_rotary(device)`` once the weights are in place.
+    ``init_rotary(device)`` once the weights are in place. With ``config.rope.sections`` (M-RoPE)
+    and ``attention_bias=True, output_bias=False`` this is Qwen2-VL's decoder.
     """
 
-    def __init__(self, config: ModelConfig, attention_bias: bool = False) -> None:
+    def __init__(self, config: ModelConfig, attention_bias: bool = False, output_bias: bool | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_bias) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention_bias, output_bias) for _ in range(config.n_layers)
+        )
         self.norm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.rotary: RotaryEmbedding | None = None
@@ -161,9 +171,17 @@ class LlamaDecoder(nn.Module):
         if self.rotary is None:
             raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
         x = embeds
-        for index, layer in enumerate(self.layers):
-            x = layer(index, seq, x, batch, self.rotary, capture)
+        for index in range(len(self.layers)):
+            x = self.forward_layer(index, seq, x, batch, capture)
         return x
+
+    def forward_layer(
+        self, index: int, seq, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """Decoder layer ``index`` alone (layer-wise recompute): x [n, hidden] -> [n, hidden]."""
+        if self.rotary is None:
+            raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
+        return self.layers[index](index, seq, x, batch, self.rotary, capture)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers)."""

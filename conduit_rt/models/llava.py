@@ -138,6 +138,13 @@ class LlavaModel(nn.Module):
         return self.language_model(seq, embeds, batch, capture)
 
     @torch.no_grad()
+    def forward_layer(
+        self, layer: int, seq, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """One decoder layer: x [n, hidden] -> [n, hidden]; writes the layer's K, V of the n tokens."""
+        return self.language_model.forward_layer(layer, seq, x, batch, capture)
+
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.logits(hidden)
 

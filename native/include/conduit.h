@@ -318,6 +318,10 @@ CONDUIT_API conduit_status conduit_image_commit(conduit_image *image);
  * Errors: NOT_FOUND (*out is NULL). */
 CONDUIT_API conduit_status conduit_image_acquire(conduit_arena *arena, const uint8_t *key, conduit_image **out);
 
+/* 1 if a committed entry exists under `key` (host [32] bytes), else 0 (also for NULL arguments).
+ * Does not count as a use for the LRU order. */
+CONDUIT_API int32_t conduit_image_contains(const conduit_arena *arena, const uint8_t *key);
+
 /* Drops a reference. A pending entry whose last reference is dropped is discarded. NULL: no-op. */
 CONDUIT_API void conduit_image_release(conduit_image *image);
 

@@ -320,6 +320,14 @@ conduit_status conduit_image_acquire(conduit_arena *arena, const uint8_t *key, c
     });
 }
 
+int32_t conduit_image_contains(const conduit_arena *arena, const uint8_t *key) {
+    if (!arena || !key) return 0;
+    std::array<uint8_t, 32> k{};
+    std::memcpy(k.data(), key, k.size());
+    auto it = arena->images.find(k);
+    return it != arena->images.end() && it->second->committed ? 1 : 0;
+}
+
 void conduit_image_release(conduit_image *image) {
     if (image) guard([&] { image_release(image); });
 }

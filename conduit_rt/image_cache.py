@@ -1,0 +1,126 @@
+"""The two image caches of a Runtime, both keyed by the image's 32-byte identity (preprocess.image_key).
+
+- ``EmbeddingCache``: projected vision features of an image, [n_tokens, hidden] on the model's
+  device, LRU under a byte budget (the recompute pass of CONDUIT starts from them).
+- ``ImageKVStore``: pre-RoPE K and V of an image's tokens for every decoder layer, in the native
+  arena's image store (LRU under ``image_cache_bytes``, entries in use never evicted), plus the
+  per-layer value norms of each entry, computed once when the entry is stored (CONDUIT's scores
+  weight attention by them).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .arena import ImageEntry, KVArena
+from .errors import AlreadyExistsError, ArenaFullError
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingCache:
+    """image key -> features [n_tokens, hidden]; least recently used evicted past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        features = self._items.get(key)
+        if features is not None:
+            self._items.move_to_end(key)
+        return features
+
+    def put(self, key: bytes, features: torch.Tensor) -> None:
+        size = features.numel() * features.element_size()
+        if size > self.max_bytes:
+            return
+        if key in self._items:
+            self.bytes -= self._nbytes(self._items.pop(key))
+        while self._items and self.bytes + size > self.max_bytes:
+            _, evicted = self._items.popitem(last=False)
+            self.bytes -= self._nbytes(evicted)
+        self._items[key] = features
+        self.bytes += size
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+
+@dataclass(slots=True)
+class CachedImage:
+    """A held reference to a stored image: the native entry and its value norms float32 [L, n_tokens]."""
+
+    key: bytes
+    entry: ImageEntry
+    value_norms: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return self.entry.n_tokens
+
+    def release(self) -> None:
+        self.entry.release()
+
+
+class ImageKVStore:
+    """Pre-RoPE image KV of every layer in the arena's image store, with value norms beside it."""
+
+    def __init__(self, arena: KVArena) -> None:
+        self.arena = arena
+        self._norms: dict[bytes, torch.Tensor] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.arena.image_cache_bytes > 0
+
+    def acquire(self, key: bytes) -> CachedImage | None:
+        """A reference to the stored image (release it when the request ends), or None."""
+        if not self.enabled:
+            return None
+        entry = self.arena.acquire_image(key)
+        if entry is None:
+            self._norms.pop(key, None)  # evicted natively since we last saw it
+            return None
+        return CachedImage(key, entry, self._norms[key])
+
+    def store(self, key: bytes, k_pre_rope: list[torch.Tensor], v: list[torch.Tensor]) -> bool:
+        """Stores one image: per layer K (before RoPE) and V [n_tokens, n_kv_heads, head_dim].
+
+        Returns False (and stores nothing) when the store is disabled or cannot make room; caching
+        is an optimisation, never a reason for a request to fail.
+        """
+        if not self.enabled:
+            return False
+        try:
+            entry = self.arena.create_image(key, int(k_pre_rope[0].shape[0]))
+        except (AlreadyExistsError, ArenaFullError) as error:
+            logger.debug("image KV not stored: %s", error)
+            return False
+        try:
+            for layer, (k, vv) in enumerate(zip(k_pre_rope, v)):
+                entry.write(layer, k.contiguous(), vv.contiguous())
+            entry.commit()
+            # norm over all KV heads of each token's V, per layer: [L, n_tokens]
+            self._norms[key] = torch.stack([vv.float().flatten(1).norm(dim=1) for vv in v])
+        finally:
+            entry.release()
+        self._forget_evicted()
+        return True
+
+    def _forget_evicted(self) -> None:
+        """Drops the norms of entries the native store evicted (it evicts on its own, LRU)."""
+        if len(self._norms) > 2 * self.arena.stats().n_image_entries + 8:
+            for key in [k for k in self._norms if not self.arena.has_image(k)]:
+                del self._norms[key]

@@ -1,0 +1,58 @@
+"""What a request returns: the text, its tokens, optional per-step logits and typed statistics."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """What one request did and cost (times in seconds, sizes in bytes)."""
+
+    ttft_s: float = 0.0                 # request start -> first token sampled
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0             # prompt tokens after the exact prefix already in the arena
+    reused_tokens: int = 0              # exact-prefix tokens whose KV was shared, nothing recomputed
+    decode_tokens: int = 0              # tokens generated
+    decode_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_s: float = 0.0
+    images: int = 0
+    image_hits: int = 0                 # images whose KV was reused (exact prefix or restored)
+    image_misses: int = 0               # images whose KV was computed in this request
+    visual_tokens: int = 0              # restored visual tokens (N_vis), candidates for refresh
+    refreshed_tokens: int = 0           # of those, recomputed
+    recomputed_token_layers: int = 0    # token-layers of the recompute pass
+    prefill_flops_ratio: float = 1.0    # prefill FLOPs / a full prefill of the same request
+    kv_bytes: int = 0                   # arena bytes held by the request's sequence at the end
+    finish_reason: str = ""             # "eos", "stop" or "length"
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The answer: ``text``, its ``tokens``, per-step ``logits`` ([steps, vocab] float32, when asked)
+    and ``stats``."""
+
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+    logits: torch.Tensor | None = None
+
+
+class TextStream:
+    """Iterate to get text pieces as they decode; ``result`` is set once the stream is exhausted."""
+
+    def __init__(self, pieces: Iterator[str], holder: list) -> None:
+        self._pieces = pieces
+        self._holder = holder
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    @property
+    def result(self) -> GenerationResult:
+        if not self._holder:
+            raise RuntimeError("the stream has not finished yet; iterate it to the end first")
+        return self._holder[0]

@@ -1,0 +1,280 @@
+"""The prefill of a request whose images may be cached: CONDUIT (METHODS.md §1, steps 3-8).
+
+``ReusePass.run`` takes a sequence that already holds an exact prefix (``reused`` tokens) and:
+  1. appends the rest of the prompt and restores every cached image into its slots, K rotated at the
+     image's new RoPE positions (the entry holds K before RoPE);
+  2. text pass: every token that was not restored (text, and images that missed) through all layers,
+     attending to the mixed KV; the query rows' q is captured (and, for images to store, K and V);
+  3. scores (only for policies that use them): per chosen layer the attention mass the query rows
+     put on each restored token (native ``attention_stats``, no [n_q, n] matrix), times value norms;
+  4. selection by the refresh policy under the budget ceil(r * N_vis);
+  5. recompute: the selected visual tokens (from their cached embeddings) and every non-restored
+     token after the first selected one, causal by position over the mixed KV, overwriting their
+     KV. With nothing selected, the text pass's logits stand (a recompute would reproduce them).
+With no image restored, step 2 is an ordinary prefill. Text between restored images is recomputed
+along with the tail (an extension of METHODS.md, which names only the trailing segment), so that
+r = 1 reproduces a cold full prefill exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .chat import ImageSlot
+from .image_cache import CachedImage
+from .models.base import ForwardBatch
+from .refresh import CacheBlend, RefreshOptions, RefreshPolicy, VisualTokens, budget_tokens
+
+CHUNK = 2048
+
+
+@dataclass(slots=True)
+class ReuseStats:
+    """What the prefill reused and recomputed (FLOPs are per the model's linear + attention work)."""
+
+    image_hits: int = 0
+    image_misses: int = 0
+    visual_tokens: int = 0             # restored visual tokens (N_vis)
+    refreshed_tokens: int = 0          # of those, recomputed
+    recomputed_token_layers: int = 0   # token-layers of the recompute pass
+    prefill_flops: float = 0.0
+    full_prefill_flops: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredImage:
+    """A cached image shown at ``slot`` of the prompt."""
+
+    slot: ImageSlot
+    cached: CachedImage
+
+
+class PassCapture:
+    """LayerCapture of one pass: q of the query rows per layer, pre-RoPE K and V of rows to store."""
+
+    def __init__(self, query_rows: torch.Tensor, store: dict[bytes, tuple[int, int]], layers: set[int] | None) -> None:
+        self.query_rows, self.store, self.layers = query_rows, store, layers
+        self.q: dict[int, list[torch.Tensor]] = {}
+        self._offset, self._n = 0, 0
+        self._k_parts: dict[bytes, dict[int, list]] = {key: {} for key in store}
+        self._v_parts: dict[bytes, dict[int, list]] = {key: {} for key in store}
+
+    def begin_chunk(self, offset: int, n: int) -> None:
+        """The next forward covers rows [offset, offset + n) of the pass."""
+        self._offset, self._n = offset, n
+
+    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        lo, hi = self._offset, self._offset + self._n
+        if self.layers is None or layer in self.layers:
+            rows = self.query_rows[(self.query_rows >= lo) & (self.query_rows < hi)] - lo
+            if rows.numel():
+                self.q.setdefault(layer, []).append(q[rows.to(q.device)])
+        for key, (a, b) in self.store.items():
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                self._k_parts[key].setdefault(layer, []).append(k_pre_rope[a - lo: b - lo].clone())
+                self._v_parts[key].setdefault(layer, []).append(v[a - lo: b - lo].clone())
+
+    def query(self, layer: int) -> torch.Tensor:
+        """q of the query rows at ``layer``: [n_query, n_heads, head_dim], contiguous."""
+        return torch.cat(self.q[layer]).contiguous()
+
+    def stored(self, key: bytes, n_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer pre-RoPE K and V [n_tokens, n_kv_heads, head_dim] of an image to store."""
+        ks = [torch.cat(self._k_parts[key][layer]) for layer in range(n_layers)]
+        vs = [torch.cat(self._v_parts[key][layer]) for layer in range(n_layers)]
+        return ks, vs
+
+
+@dataclass(slots=True)
+class ReusePass:
+    """One request's prefill (see the module docstring). ``embed(positions)`` gives the input
+    embeddings [n, hidden] of prompt positions (image positions from the cached image features)."""
+
+    model: object
+    seq: object
+    rope: torch.Tensor                         # int32 [n] or [3, n], CPU: the prompt's RoPE positions
+    n_prompt: int
+    reused: int
+    restored: list[RestoredImage]
+    embed: object
+    query_positions: list[int]
+    store: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> prompt positions to store
+    stats: ReuseStats = field(default_factory=ReuseStats)
+
+    def run(self, policy: RefreshPolicy | None, ratio: float, options: RefreshOptions) -> tuple[torch.Tensor, PassCapture]:
+        """Returns the last prompt token's logits [vocab] and the text pass's capture."""
+        config = self.model.config
+        self.seq.append(torch.arange(self.reused, self.n_prompt, dtype=torch.int32))
+        visual = self._restore()
+        text_positions = [p for p in range(self.reused, self.n_prompt) if not visual[p]]
+        layers = set(options.layers) if options.layers is not None else None
+        capture = PassCapture(self._rows_of(self.query_positions, text_positions), self.store, layers)
+        hidden = self._forward(text_positions, capture)
+        self.stats.prefill_flops += config.n_layers * _flops(config, text_positions)
+        self.stats.full_prefill_flops = config.n_layers * _flops(config, list(range(self.n_prompt)))
+        tokens = self._visual_tokens()
+        self.stats.visual_tokens = tokens.n
+        if tokens.n == 0 or policy is None:
+            return self.model.logits(hidden[-1:])[0], capture
+        budget = budget_tokens(ratio, tokens.n)
+        if policy.layerwise and budget == 0:
+            return self.model.logits(hidden[-1:])[0], capture
+        if policy.layerwise:
+            return self._recompute_layerwise(tokens, budget, text_positions), capture
+        scores = _PassScores(self, capture, tokens, layers)
+        selected = policy.select(tokens, budget, scores, options)
+        if scores.used:
+            self.stats.prefill_flops += scores.flops
+        self.stats.refreshed_tokens = int(selected.numel())
+        if selected.numel() == 0:
+            return self.model.logits(hidden[-1:])[0], capture
+        first = int(tokens.slots[selected].min())
+        rows = sorted(set(tokens.slots[selected].tolist()) | {p for p in text_positions if p > first})
+        self.stats.recomputed_token_layers = len(rows) * config.n_layers
+        self.stats.prefill_flops += config.n_layers * _flops(config, rows)
+        out = self.model.forward(self.seq, self.embed(rows), self._batch(rows))
+        return self.model.logits(out[-1:])[0], capture
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _restore(self) -> list[bool]:
+        """Restores each cached image at its slots (every layer); returns a restored-mask per position."""
+        visual = [False] * self.n_prompt
+        device = self.model.device
+        for image in self.restored:
+            lo, hi = image.slot.start, image.slot.start + image.slot.n_tokens
+            rope = self.rope[..., lo:hi].to(device).contiguous()
+            for layer in range(self.model.config.n_layers):
+                self.seq.restore_image(layer, image.cached.entry, slots=range(lo, hi), rope_pos=rope)
+            visual[lo:hi] = [True] * (hi - lo)
+        return visual
+
+    def _forward(self, positions: list[int], capture: PassCapture) -> torch.Tensor:
+        """Forwards prompt positions in chunks, KV into their slots; returns the last chunk's hidden."""
+        hidden = None
+        for lo in range(0, len(positions), CHUNK):
+            chunk = positions[lo: lo + CHUNK]
+            capture.begin_chunk(lo, len(chunk))
+            hidden = self.model.forward(self.seq, self.embed(chunk), self._batch(chunk), capture)
+        return hidden
+
+    def _batch(self, positions: list[int]) -> ForwardBatch:
+        device = self.model.device
+        index = torch.tensor(positions, dtype=torch.long)
+        return ForwardBatch(positions=index.to(torch.int32).to(device),
+                            rope_positions=self.rope[..., index].to(device).contiguous(), slots=positions)
+
+    def _visual_tokens(self) -> VisualTokens:
+        slots, image = [], []
+        for j, restored in enumerate(self.restored):
+            slots.append(torch.arange(restored.slot.start, restored.slot.start + restored.slot.n_tokens))
+            image.append(torch.full((restored.slot.n_tokens,), j))
+        if not slots:
+            empty = torch.zeros(0, dtype=torch.long)
+            return VisualTokens(empty, empty, 0)
+        return VisualTokens(torch.cat(slots), torch.cat(image), len(self.restored))
+
+    @staticmethod
+    def _rows_of(positions: list[int], text_positions: list[int]) -> torch.Tensor:
+        row = {p: i for i, p in enumerate(text_positions)}
+        return torch.tensor([row[p] for p in positions if p in row], dtype=torch.long)
+
+    def _recompute_layerwise(self, tokens: VisualTokens, budget: int, text_positions: list[int]) -> torch.Tensor:
+        """CacheBlend: every visual token at layer 0, then per layer the ones whose fresh K, V moved
+        most from the cached ones (||dK|| + ||dV||), counts falling linearly (mean = budget)."""
+        config = self.model.config
+        counts = CacheBlend.layer_counts(tokens.n, budget, config.n_layers)
+        counts[0] = tokens.n
+        self.stats.refreshed_tokens = budget
+        first = int(tokens.slots.min())
+        text_rows = [p for p in text_positions if p > first]
+        rows = sorted(tokens.slots.tolist() + text_rows)
+        visual_of_slot = {int(s): i for i, s in enumerate(tokens.slots.tolist())}
+        # row -> index among the visual tokens (-1 for text rows)
+        visual_index = torch.tensor([visual_of_slot.get(r, -1) for r in rows], dtype=torch.long)
+        x = self.embed(rows)
+        for layer in range(config.n_layers):
+            delta = _DeltaCapture(visual_index, lambda layer=layer: self._cached_kv(layer))
+            x = self.model.forward_layer(layer, self.seq, x, self._batch(rows), delta)
+            self.stats.recomputed_token_layers += len(rows)
+            self.stats.prefill_flops += _flops(config, rows)
+            if layer + 1 < config.n_layers:
+                keep = delta.keep(counts[layer + 1])
+                x, visual_index = x[keep.to(x.device)], visual_index[keep]
+                rows = [rows[i] for i in keep.tolist()]
+        return self.model.logits(x[-1:])[0]
+
+    def _cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached pre-RoPE K and V of every restored token at ``layer``: [N, n_kv_heads, head_dim] each."""
+        reads = [r.cached.entry.read(layer) for r in self.restored]
+        return torch.cat([k for k, _ in reads]), torch.cat([v for _, v in reads])
+
+
+class _DeltaCapture:
+    """One layer of CacheBlend: ||K_fresh - K_cached|| + ||V_fresh - V_cached|| (pre-RoPE) per visual row."""
+
+    def __init__(self, visual_index: torch.Tensor, cached_kv) -> None:
+        self.visual_index, self.cached_kv = visual_index, cached_kv
+        self.change: torch.Tensor | None = None
+
+    def on_layer(self, layer: int, q, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        is_visual = self.visual_index >= 0
+        k_old, v_old = self.cached_kv()
+        rows = torch.nonzero(is_visual).flatten().to(k_pre_rope.device)
+        idx = self.visual_index[is_visual].to(k_old.device)
+        dk = (k_pre_rope[rows].float() - k_old[idx].float()).flatten(1).norm(dim=1)
+        dv = (v[rows].float() - v_old[idx].float()).flatten(1).norm(dim=1)
+        self.change = torch.full((self.visual_index.numel(),), float("-inf"), device=dk.device)
+        self.change[rows] = dk + dv
+
+    def keep(self, n_visual: int) -> torch.Tensor:
+        """Row indices (CPU, sorted) for the next layer: every text row and the n_visual most changed."""
+        is_visual = self.visual_index >= 0
+        visual_rows = torch.nonzero(is_visual).flatten()
+        change = self.change.cpu()[visual_rows]
+        top = visual_rows[torch.topk(change, min(n_visual, visual_rows.numel())).indices]
+        return torch.sort(torch.cat([torch.nonzero(~is_visual).flatten(), top])).values
+
+
+class _PassScores:
+    """The score sources of METHODS.md §1 step 5, computed once on first use."""
+
+    def __init__(self, run: ReusePass, capture: PassCapture, tokens: VisualTokens, layers: set[int] | None) -> None:
+        self.run, self.capture, self.tokens = run, capture, tokens
+        self.layers = sorted(layers) if layers is not None else list(range(run.model.config.n_layers))
+        self._attention: torch.Tensor | None = None
+        self.used, self.flops = False, 0.0
+
+    def attention(self) -> torch.Tensor:
+        """a_l(t) = mass over the query rows and heads / (|Q| * H): float32 [n_layers_chosen, N]."""
+        if self._attention is None:
+            config, seq = self.run.model.config, self.run.seq
+            q_pos = torch.tensor(self.run.query_positions, dtype=torch.int32, device=self.run.model.device)
+            slots = self.tokens.slots.to(self.run.model.device)
+            rows = []
+            for layer in self.layers:
+                q = self.capture.query(layer)
+                mass, _, _ = seq.attention_stats(layer, q, q_pos, config.attention_scale)
+                rows.append(mass[slots] / (q.shape[0] * config.n_heads))
+            self._attention = torch.stack(rows)
+            self.used = True
+            self.flops = len(self.layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
+                                                for p in self.run.query_positions)
+        return self._attention
+
+    def value_norms(self) -> torch.Tensor:
+        """||V_l(t)|| over all KV heads, from the cached entries: float32 [n_layers_chosen, N]."""
+        norms = torch.cat([r.cached.value_norms for r in self.run.restored], dim=1)  # [L, N]
+        return norms[self.layers].to(self.run.model.device)
+
+
+def _flops(config, positions: list[int]) -> float:
+    """Linear + attention FLOPs of one layer for tokens at these causal positions (keys ≈ position + 1)."""
+    if not positions:
+        return 0.0
+    c = config
+    linear = 2.0 * (c.hidden * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.hidden
+                    + 3 * c.hidden * c.intermediate)
+    visible = float(sum(positions)) + len(positions)
+    return linear * len(positions) + 4.0 * c.n_heads * c.head_dim * visible
