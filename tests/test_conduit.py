@@ -22,8 +22,13 @@ def model_dir(tmp_path_factory):
     return out
 
 
-def new_runtime(model_dir, **kw) -> Runtime:
-    return Runtime(model_dir / "model.gguf", device="cpu", kv_cache_bytes=kw.pop("kv_cache_bytes", 16 << 20), **kw)
+def new_runtime(model_dir, device: str = "cpu", **kw) -> Runtime:
+    return Runtime(model_dir / "model.gguf", device=device, kv_cache_bytes=kw.pop("kv_cache_bytes", 16 << 20), **kw)
+
+
+# fp32 on the CPU must match to rounding; bf16 on CUDA to bf16's precision (different batch shapes
+# take different GEMM tilings, so even identical math rounds differently)
+TOLERANCE = {"cpu": 1e-5, "cuda": 3e-2}
 
 
 def picture(seed: int, size=(40, 52)) -> Image.Image:
@@ -41,14 +46,14 @@ def first_logits(runtime: Runtime, messages, **kw) -> tuple[torch.Tensor, object
     return result.logits[0], result.stats
 
 
-def cold_logits(model_dir, messages) -> torch.Tensor:
-    return first_logits(new_runtime(model_dir, prefix_cache_entries=0), messages)[0]
+def cold_logits(model_dir, messages, device: str = "cpu") -> torch.Tensor:
+    return first_logits(new_runtime(model_dir, device, prefix_cache_entries=0), messages)[0]
 
 
 @pytest.fixture
-def warm(model_dir):
+def warm(model_dir, device):
     """A runtime that has seen three pictures (their KV stored, isolated fill) and the pictures."""
-    runtime = new_runtime(model_dir, prefix_cache_entries=0)
+    runtime = new_runtime(model_dir, device, prefix_cache_entries=0)
     pics = [picture(i) for i in range(3)]
     runtime.generate(request("Look:", pics, "Which is brightest?"), max_tokens=1, refresh="conduit")
     assert runtime.arena.stats().n_image_entries == 3
@@ -64,8 +69,8 @@ def test_refresh_everything_equals_a_cold_full_prefill(model_dir, warm, policy, 
     logits, stats = first_logits(runtime, messages, refresh=policy, refresh_budget=budget)
     assert stats.image_hits == 3 and stats.image_misses == 0
     assert stats.refreshed_tokens == stats.visual_tokens == 3 * NUM_IMAGE_TOKENS
-    expected = cold_logits(model_dir, messages)
-    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+    expected = cold_logits(model_dir, messages, runtime.device.type)
+    assert (logits - expected).abs().max() <= TOLERANCE[runtime.device.type] * expected.abs().max()
 
 
 def test_no_refresh_reuses_stale_kv_and_differs_from_full_prefill(model_dir, warm):
@@ -74,7 +79,8 @@ def test_no_refresh_reuses_stale_kv_and_differs_from_full_prefill(model_dir, war
     logits, stats = first_logits(runtime, messages, refresh="none")
     assert stats.refreshed_tokens == 0 and stats.visual_tokens == 2 * NUM_IMAGE_TOKENS
     assert stats.prefill_flops_ratio < 0.6
-    assert not torch.allclose(logits, cold_logits(model_dir, messages), atol=1e-3)
+    expected = cold_logits(model_dir, messages, runtime.device.type)
+    assert (logits - expected).abs().max() > 3 * TOLERANCE[runtime.device.type] * expected.abs().max()
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"full"}))
@@ -114,13 +120,13 @@ def reference_selection(seen) -> torch.Tensor:
     q_pos = torch.tensor(seen["query_positions"])
     per_layer = []
     for layer, (k, v) in enumerate(seen["kv"]):
-        q = seen["q"][layer].double()                                    # [|Q|, H, d]
+        q, k, v = seen["q"][layer].double().cpu(), k.double().cpu(), v.double().cpu()  # q [|Q|, H, d]
         group = q.shape[1] // k.shape[1]
-        keys = k.double().repeat_interleave(group, dim=1)                # [n, H, d]
+        keys = k.repeat_interleave(group, dim=1)                         # [n, H, d]
         scores = torch.einsum("qhd,khd->hqk", q, keys) * seen["scale"]
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
         attention = torch.softmax(scores, dim=-1).sum(dim=(0, 1)) / (q.shape[0] * seen["n_heads"])  # [n]
-        value_norm = v.double().flatten(1).norm(dim=1)                   # [n]
+        value_norm = v.flatten(1).norm(dim=1)                            # [n]
         per_layer.append((attention * value_norm)[tokens.slots])
     s = torch.stack(per_layer).mean(0)
     if tokens.n_images > 1:
@@ -132,13 +138,19 @@ def reference_selection(seen) -> torch.Tensor:
 
 @pytest.mark.parametrize("n_images,lam", [(1, 1.0), (3, 1.0), (3, 2.5)])
 def test_conduit_selection_equals_a_torch_reference(warm, monkeypatch, n_images, lam):
+    """Exact on the CPU; in bf16 on CUDA, near-ties may swap, so 90% of the set must agree."""
     runtime, pics = warm
     recorder = RecordingConduit()
     monkeypatch.setitem(POLICIES, "conduit", recorder)
     messages = request("Yet another prefix.", pics[:n_images][::-1], "Which one has the most red?")
     runtime.generate(messages, max_tokens=1, refresh="conduit", refresh_budget=0.2, refresh_options={"lam": lam})
     assert recorder.seen["budget"] == budget_tokens(0.2, n_images * NUM_IMAGE_TOKENS)
-    assert torch.equal(recorder.chosen, reference_selection(recorder.seen))
+    expected = reference_selection(recorder.seen)
+    if runtime.device.type == "cpu":
+        assert torch.equal(recorder.chosen, expected)
+    else:
+        overlap = len(set(recorder.chosen.tolist()) & set(expected.tolist()))
+        assert overlap >= 0.9 * expected.numel()
 
 
 def test_exact_prefix_reuse_equals_a_cold_run(model_dir):
