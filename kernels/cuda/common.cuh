@@ -132,6 +132,7 @@ template <typename T> __device__ __forceinline__ void load_chunk(const T *p, boo
 // ---------------------------------------------------------------------------------------------
 // cp.async (sm_80+): global -> shared copies that bypass registers
 // ---------------------------------------------------------------------------------------------
+#ifndef CONDUIT_CUDA_EMULATION // emu/emu.h supplies host versions to run these kernels on a CPU
 
 // Copies 16 bytes, or writes 16 zero bytes when !pred (src is then not read but must be a valid
 // address expression).
@@ -153,5 +154,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
+#endif // CONDUIT_CUDA_EMULATION
 
 } // namespace conduit::kernels::cuda

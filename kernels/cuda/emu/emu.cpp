@@ -1,0 +1,217 @@
+// emu.cpp: the thread model of emu.h and fake CUDA runtime calls over host memory.
+//
+// The threads of a block are fibers (ucontext) on the calling OS thread: a fiber runs until it
+// reaches a barrier, then the next one runs. A barrier opens when every thread it counts has
+// arrived; if every unfinished fiber waits and none can open, the emulator reports a deadlock.
+#include "emu.h"
+
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
+namespace emu {
+namespace {
+
+constexpr size_t kStackBytes = 256 * 1024;
+
+struct Fiber;
+
+// Counts arrivals; the last one makes every waiter runnable again.
+struct Barrier {
+    int count = 0;
+    int arrived = 0;
+    std::vector<Fiber *> waiting;
+};
+
+struct Fiber {
+    ucontext_t context{};
+    std::unique_ptr<char[]> stack;
+    ThreadContext thread;
+    std::vector<std::vector<PendingCopy>> groups; // committed cp.async groups, oldest first
+    std::vector<PendingCopy> open;                // copies not yet committed
+    bool finished = false;
+    bool waiting = false;
+    const char *waiting_at = "";
+};
+
+struct Warp {
+    Barrier barrier;
+    uint64_t slots[32] = {};
+};
+
+ucontext_t g_scheduler;
+Fiber *g_current = nullptr;
+void (*g_run)(void *) = nullptr;
+void *g_body = nullptr;
+
+void perform(const PendingCopy &c) {
+    if (c.pred) std::memcpy(c.dst, c.src, size_t(c.bytes));
+    else std::memset(c.dst, 0, size_t(c.bytes));
+}
+
+void arrive(Barrier &b, const char *what) {
+    Fiber *self = g_current;
+    if (++b.arrived == b.count) {
+        b.arrived = 0;
+        for (Fiber *f : b.waiting) f->waiting = false;
+        b.waiting.clear();
+        return;
+    }
+    self->waiting = true;
+    self->waiting_at = what;
+    b.waiting.push_back(self);
+    swapcontext(&self->context, &g_scheduler);
+}
+
+void fiber_main() {
+    Fiber *self = g_current;
+    g_run(g_body);
+    if (!self->open.empty() || !self->groups.empty()) { // hardware would complete them
+        cp_commit();
+        cp_wait(0);
+    }
+    self->finished = true;
+    swapcontext(&self->context, &g_scheduler);
+}
+
+} // namespace
+
+struct Block {
+    Barrier barrier;
+    std::vector<Warp> warps;
+    std::vector<unsigned char> dynamic;
+};
+
+ThreadContext &ctx() { return g_current->thread; }
+void *dynamic_smem() { return g_current->thread.block->dynamic.data(); }
+void sync_block() { arrive(g_current->thread.block->barrier, "__syncthreads"); }
+
+uint64_t warp_exchange(uint64_t mine, int src_lane) {
+    Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];
+    w.slots[g_current->thread.linear % 32] = mine;
+    arrive(w.barrier, "warp shuffle");
+    const uint64_t out = w.slots[src_lane];
+    arrive(w.barrier, "warp shuffle");
+    return out;
+}
+
+bool warp_any(bool mine) {
+    Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];
+    w.slots[g_current->thread.linear % 32] = mine;
+    arrive(w.barrier, "__any_sync");
+    bool any = false;
+    for (int i = 0; i < 32; ++i) any |= w.slots[i] != 0; // absent lanes of a partial warp stay 0
+    arrive(w.barrier, "__any_sync");
+    return any;
+}
+
+void cp_async(void *dst, const void *src, int bytes, bool pred) { g_current->open.push_back({dst, src, bytes, pred}); }
+void cp_commit() {
+    g_current->groups.push_back(std::move(g_current->open));
+    g_current->open.clear();
+}
+void cp_wait(int pending) {
+    auto &groups = g_current->groups;
+    while (int(groups.size()) > pending) {
+        for (const PendingCopy &c : groups.front()) perform(c);
+        groups.erase(groups.begin());
+    }
+}
+
+void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body) {
+    const int threads = int(block.x * block.y * block.z);
+    if (threads < 1 || threads > 1024 || grid.y > 65535 || grid.z > 65535 || smem > 48 * 1024) {
+        std::fprintf(stderr, "emu: bad launch grid (%u,%u,%u) block (%u,%u,%u) smem %zu\n", grid.x, grid.y, grid.z,
+                     block.x, block.y, block.z, smem);
+        std::abort();
+    }
+    static std::vector<Fiber> fibers(1024);
+    g_run = run;
+    g_body = body;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                Block state;
+                state.barrier.count = threads;
+                state.dynamic.assign(smem, 0xff);
+                state.warps.resize(size_t((threads + 31) / 32));
+                for (size_t w = 0; w < state.warps.size(); ++w) state.warps[w].barrier.count = std::min(32, threads - 32 * int(w));
+                for (int t = 0; t < threads; ++t) {
+                    Fiber &f = fibers[size_t(t)];
+                    if (!f.stack) f.stack.reset(new char[kStackBytes]);
+                    f.thread.thread_idx = dim3(unsigned(t) % block.x, unsigned(t) / block.x % block.y,
+                                               unsigned(t) / (block.x * block.y));
+                    f.thread.block_idx = dim3(x, y, z);
+                    f.thread.block_dim = block;
+                    f.thread.grid_dim = grid;
+                    f.thread.block = &state;
+                    f.thread.linear = t;
+                    f.groups.clear();
+                    f.open.clear();
+                    f.finished = false;
+                    f.waiting = false;
+                    getcontext(&f.context);
+                    f.context.uc_stack.ss_sp = f.stack.get();
+                    f.context.uc_stack.ss_size = kStackBytes;
+                    f.context.uc_link = nullptr;
+                    makecontext(&f.context, fiber_main, 0);
+                }
+                for (;;) {
+                    bool progressed = false, unfinished = false;
+                    for (int t = 0; t < threads; ++t) {
+                        Fiber &f = fibers[size_t(t)];
+                        if (f.finished) continue;
+                        unfinished = true;
+                        if (f.waiting) continue;
+                        g_current = &f;
+                        swapcontext(&g_scheduler, &f.context);
+                        progressed = true;
+                    }
+                    if (!unfinished) break;
+                    if (!progressed) {
+                        for (int t = 0; t < threads; ++t)
+                            if (!fibers[size_t(t)].finished)
+                                std::fprintf(stderr, "emu: deadlock: thread %d waits at %s\n", t, fibers[size_t(t)].waiting_at);
+                        std::abort();
+                    }
+                }
+                g_current = nullptr;
+            }
+}
+
+} // namespace emu
+
+// ---- fake CUDA runtime over host memory ----
+namespace {
+thread_local cudaError_t t_last = cudaSuccess;
+int g_device = 0;
+} // namespace
+
+extern "C" {
+cudaError_t cudaGetDevice(int *device) { *device = g_device; return cudaSuccess; }
+cudaError_t cudaSetDevice(int device) { g_device = device; return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int *count) { *count = 1; return cudaSuccess; }
+cudaError_t cudaMalloc(void **ptr, size_t size) {
+    *ptr = std::aligned_alloc(256, (size + 255) / 256 * 256);
+    return *ptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFree(void *ptr) { std::free(ptr); return cudaSuccess; }
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind, cudaStream_t) {
+    std::memmove(dst, src, count);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t) {
+    std::memset(ptr, value, count);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int) {
+    *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0; // few SMs: small problems still split
+    return cudaSuccess;
+}
+cudaError_t cudaGetLastError(void) { const cudaError_t e = t_last; t_last = cudaSuccess; return e; }
+const char *cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
+const char *cudaGetErrorString(cudaError_t) { return "emulated error"; }
+}

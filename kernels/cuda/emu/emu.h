@@ -1,0 +1,110 @@
+// emu.h: a CPU emulator for this folder's CUDA kernels, for checking their indexing on machines
+// without a GPU (it says nothing about speed, and nothing about races that only real concurrency
+// shows). run_emu.py rewrites the kernel launches and dynamic shared memory of the .cu files, then
+// compiles them with g++ against this header.
+//
+// Model: the blocks of a grid run one after another; the threads of a block are fibers on one OS
+// thread (emu.cpp). __syncthreads and warp operations (__shfl_xor_sync, __any_sync) are barriers,
+// so a thread that skips one makes the emulator report a deadlock instead of hanging. `__shared__` becomes `static`
+// (one copy shared by the threads of the running block), dynamic shared memory is filled with
+// 0xff bytes (NaN as float) to expose reads of unwritten data, and cp.async copies are deferred
+// until the issuing thread waits for their group.
+#pragma once
+
+#define __host__
+#define __device__
+#define __global__
+#define __shared__ static
+#define __launch_bounds__(...)
+#define CONDUIT_CUDA_EMULATION 1
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// Device intrinsics the kernels use.
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+using std::max;
+using std::min;
+
+#include <math_constants.h>
+
+namespace emu {
+
+struct Block;
+
+// What a CUDA thread sees: its indices and its block.
+struct ThreadContext {
+    dim3 thread_idx, block_idx, block_dim, grid_dim;
+    Block *block = nullptr;
+    int linear = 0; // thread index within the block
+};
+ThreadContext &ctx();
+
+void *dynamic_smem();
+void sync_block();
+// Exchanges 8 bytes with the other lanes of the warp; returns the value lane `src_lane` gave.
+uint64_t warp_exchange(uint64_t mine, int src_lane);
+bool warp_any(bool mine);
+
+// Runs `body` once per thread of every block.
+void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body);
+template <typename F> void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, F &&body) {
+    auto call = [](void *f) { (*static_cast<F *>(f))(); };
+    launch_blocks(grid, block, smem, call, &body);
+}
+
+// Deferred cp.async: copies queued per thread, grouped by commit.
+struct PendingCopy {
+    void *dst;
+    const void *src;
+    int bytes;
+    bool pred;
+};
+void cp_async(void *dst, const void *src, int bytes, bool pred);
+void cp_commit();
+void cp_wait(int pending);
+
+} // namespace emu
+
+#define threadIdx (::emu::ctx().thread_idx)
+#define blockIdx (::emu::ctx().block_idx)
+#define blockDim (::emu::ctx().block_dim)
+#define gridDim (::emu::ctx().grid_dim)
+
+inline void __syncthreads() { emu::sync_block(); }
+
+template <typename T> T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 32) {
+    static_assert(sizeof(T) <= 8, "8-byte values at most");
+    uint64_t raw = 0;
+    std::memcpy(&raw, &value, sizeof(T));
+    const int lane = emu::ctx().linear % 32;
+    raw = emu::warp_exchange(raw, lane ^ lane_mask);
+    T out;
+    std::memcpy(&out, &raw, sizeof(T));
+    return out;
+}
+
+inline int __any_sync(unsigned, int pred) { return emu::warp_any(pred != 0) ? 1 : 0; }
+
+inline unsigned long long atomicAdd(unsigned long long *address, unsigned long long value) {
+    return std::atomic_ref<unsigned long long>(*address).fetch_add(value);
+}
+
+namespace conduit::kernels::cuda {
+inline void cp_async16(void *smem, const void *gmem, bool pred) { emu::cp_async(smem, gmem, 16, pred); }
+inline void cp_async4(void *smem, const void *gmem, bool pred) { emu::cp_async(smem, gmem, 4, pred); }
+inline void cp_async_commit() { emu::cp_commit(); }
+template <int kPending> void cp_async_wait() { emu::cp_wait(kPending); }
+} // namespace conduit::kernels::cuda

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Builds this folder's CUDA kernels for the CPU emulator (emu.h) and runs test_emu.cpp.
+
+The kernels are compared with the CPU backend (kernels/cpu) on random inputs. Usage:
+    python3 kernels/cuda/emu/run_emu.py [--build-dir DIR]
+Needs g++ (C++20) and the CUDA toolkit headers (no GPU, no driver).
+"""
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+CUDA_DIR = HERE.parent
+KERNELS_DIR = CUDA_DIR.parent
+
+LAUNCH = re.compile(r"^(\s*)([\w:]+(?:<[^;{}<>]*(?:<[^;{}<>]*>)?[^;{}<>]*>)?)<<<(.*?)>>>\((.*?)\);", re.S | re.M)
+DYNAMIC_SMEM = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
+
+
+def rewrite(source: str) -> str:
+    """Turns kernel<<<grid, block, smem, stream>>>(args); into emu::launch(...) and dynamic smem into a pointer."""
+    source = DYNAMIC_SMEM.sub(r"\1 *\2 = reinterpret_cast<\1 *>(::emu::dynamic_smem());", source)
+
+    def launch(m: re.Match) -> str:
+        indent, kernel, config, args = m.groups()
+        parts = [p.strip() for p in split_top_level(config)]
+        while len(parts) < 4:
+            parts.append("0" if len(parts) == 2 else "nullptr")
+        grid, block, smem, stream = parts
+        return f"{indent}::emu::launch({grid}, {block}, {smem}, {stream}, [&]() {{ {kernel}({args}); }});"
+
+    return LAUNCH.sub(launch, source)
+
+
+def split_top_level(text: str) -> list:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch in "([{<":
+            depth += 1
+        elif ch in ")]}>":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build-dir", default="/tmp/conduit_cuda_emu")
+    parser.add_argument("--cuda-include", default=os.environ.get("CUDA_INCLUDE", "/usr/local/cuda/include"))
+    args = parser.parse_args()
+    build = pathlib.Path(args.build_dir)
+    src = build / "cuda"
+    src.mkdir(parents=True, exist_ok=True)
+    # One copy of the interface for every include path: kernels.h and the CPU backend beside it.
+    shutil.copy(KERNELS_DIR / "kernels.h", build / "kernels.h")
+    shutil.rmtree(build / "cpu", ignore_errors=True)
+    shutil.copytree(KERNELS_DIR / "cpu", build / "cpu")
+    units = []
+    for path in sorted(CUDA_DIR.glob("*.cu*")):
+        text = rewrite(path.read_text())
+        if path.suffix == ".cu":
+            text = '#include "emu.h"\n' + text
+            out = src / (path.stem + ".cpp")
+            units.append(out)
+        else:
+            out = src / path.name
+        out.write_text(text)
+    units += [HERE / "emu.cpp", HERE / "test_emu.cpp"] + sorted((build / "cpu").glob("*.cpp"))
+    binary = build / "test_emu"
+    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-Wall", "-Wno-unknown-pragmas",
+           f"-I{args.cuda_include}", f"-I{HERE}", f"-I{src}", f"-I{build}", "-o", str(binary)] + [str(u) for u in units]
+    print(" ".join(cmd), flush=True)
+    if subprocess.call(cmd) != 0:
+        return 1
+    return subprocess.call([str(binary)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

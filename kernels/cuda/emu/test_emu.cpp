@@ -1,0 +1,244 @@
+// test_emu.cpp: the CUDA kernels (run by the CPU emulator of emu.h) against the CPU backend, on
+// random layers: every dtype, head_dim 8..256, block sizes 1..256, GQA groups 1..12, masked and
+// unwritten slots, unaligned dense pointers, split and unsplit attention. Exit status 0 when all pass.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/dtype.h"
+#include "kernels.h"
+
+namespace kc = conduit::kernels;
+
+namespace {
+
+std::mt19937 rng(1234);
+int failures = 0, checks = 0;
+
+float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
+int randint(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); } // inclusive
+
+const char *dtype_name(kc::DType t) { return t == kc::DType::F32 ? "f32" : t == kc::DType::F16 ? "f16" : "bf16"; }
+
+// A block pool and one layer in it: random blocks, random K/V for written slots, NaN elsewhere.
+struct Layer {
+    std::vector<unsigned char> pool;
+    std::vector<int32_t> table, positions;
+    kc::LayerView view;
+};
+
+Layer make_layer(kc::DType dtype, int hk, int d, int bs, int n_tokens, int max_pos) {
+    Layer l;
+    const int n_blocks = (n_tokens + bs - 1) / bs;
+    const int total_blocks = n_blocks + 3;
+    l.view.n_kv_heads = hk;
+    l.view.head_dim = d;
+    l.view.block_size = bs;
+    l.view.dtype = dtype;
+    l.view.n_tokens = n_tokens;
+    const int64_t elems = l.view.block_elems() * total_blocks;
+    l.pool.assign(size_t(elems) * kc::dtype_size(dtype) + 64, 0xff); // NaN everywhere first
+    std::vector<int32_t> ids(static_cast<size_t>(total_blocks));
+    for (int i = 0; i < total_blocks; ++i) ids[size_t(i)] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    l.table.assign(ids.begin(), ids.begin() + n_blocks);
+    for (int s = 0; s < n_tokens; ++s) l.positions.push_back(randint(0, max_pos));
+    l.view.pool = l.pool.data();
+    l.view.block_table = l.table.data();
+    l.view.positions = l.positions.data();
+    for (int s = 0; s < n_tokens; ++s)
+        for (int h = 0; h < hk; ++h) {
+            const int64_t off = kc::cpu::k_offset(l.view, s, h);
+            for (int e = 0; e < d; ++e) {
+                kc::cpu::store(l.pool.data(), off + e, uniform(-1, 1), dtype);
+                kc::cpu::store(l.pool.data(), off + kc::cpu::v_delta(l.view) + e, uniform(-1, 1), dtype);
+            }
+        }
+    return l;
+}
+
+std::vector<unsigned char> random_dense(kc::DType dtype, int64_t n, float scale = 1.0f) {
+    std::vector<unsigned char> out(size_t(n) * kc::dtype_size(dtype) + 64);
+    for (int64_t i = 0; i < n; ++i) kc::cpu::store(out.data(), i, uniform(-scale, scale), dtype);
+    return out;
+}
+
+void expect(bool ok, const std::string &what) {
+    ++checks;
+    if (!ok) {
+        ++failures;
+        if (failures <= 30) std::printf("FAIL %s\n", what.c_str());
+    }
+}
+
+bool close(float got, float want, float atol, float rtol) {
+    if (std::isinf(want) || std::isinf(got)) return got == want;
+    if (std::isnan(got) || std::isnan(want)) return false;
+    return std::fabs(got - want) <= atol + rtol * std::fabs(want);
+}
+
+float out_rtol(kc::DType t) { return t == kc::DType::F32 ? 1e-4f : t == kc::DType::F16 ? 2e-3f : 1.6e-2f; }
+
+void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, bool unaligned_q) {
+    const int n_heads = hk * group, max_pos = 60;
+    Layer l = make_layer(dtype, hk, d, bs, n_tokens, max_pos);
+    // Keys no query can see hold NaN: they must never reach the arithmetic.
+    for (int s = 0; s < n_tokens; ++s)
+        if (s % 5 == 0) l.positions[size_t(s)] = max_pos + 10;
+    for (int s = 0; s < n_tokens; ++s)
+        if (l.positions[size_t(s)] > max_pos)
+            for (int h = 0; h < hk; ++h) {
+                const int64_t off = kc::cpu::k_offset(l.view, s, h);
+                for (int e = 0; e < d; ++e) {
+                    kc::cpu::store(l.pool.data(), off + e, NAN, dtype);
+                    kc::cpu::store(l.pool.data(), off + kc::cpu::v_delta(l.view) + e, NAN, dtype);
+                }
+            }
+    const size_t es = kc::dtype_size(dtype);
+    std::vector<unsigned char> q_buf = random_dense(dtype, int64_t(n_q) * n_heads * d + 8, 2.0f);
+    const void *q = q_buf.data() + (unaligned_q ? es : 0);
+    std::vector<int32_t> q_pos;
+    for (int i = 0; i < n_q; ++i) q_pos.push_back(i == 1 ? -1 : randint(0, max_pos)); // query 1 sees nothing
+    const size_t out_elems = size_t(n_q) * n_heads * d;
+    std::vector<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff);
+    std::vector<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, 123.0f);
+    const float scale = 1.0f / std::sqrt(float(d));
+    kc::cpu::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_cpu.data(), lse_cpu.data(), nullptr);
+    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), lse_gpu.data(), nullptr);
+    char name[200];
+    std::snprintf(name, sizeof name, "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d", dtype_name(dtype),
+                  hk, group, d, bs, n_tokens, n_q, int(unaligned_q));
+    int bad = 0;
+    for (size_t i = 0; i < out_elems; ++i) {
+        const float a = kc::cpu::load(out_gpu.data(), int64_t(i), dtype), b = kc::cpu::load(out_cpu.data(), int64_t(i), dtype);
+        bad += !close(a, b, 2e-3f, out_rtol(dtype));
+    }
+    for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
+    expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
+    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), nullptr, nullptr); // lse optional
+}
+
+void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, float threshold) {
+    const int n_heads = hk * group;
+    Layer l = make_layer(dtype, hk, d, bs, n_tokens, 80);
+    std::vector<unsigned char> q_buf = random_dense(dtype, int64_t(n_q) * n_heads * d, 2.0f);
+    std::vector<int32_t> q_pos;
+    for (int i = 0; i < n_q; ++i) q_pos.push_back(i == 1 ? -1 : randint(20, 80));
+    std::vector<float> mass_cpu(size_t(n_tokens) + 1), mass_gpu(size_t(n_tokens) + 1, NAN);
+    std::vector<float> below_cpu(static_cast<size_t>(n_heads)), below_gpu(static_cast<size_t>(n_heads), NAN);
+    std::vector<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, NAN);
+    const float scale = 1.0f / std::sqrt(float(d));
+    kc::cpu::attention_stats(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, threshold, mass_cpu.data(),
+                             below_cpu.data(), lse_cpu.data(), nullptr);
+    kc::cuda::attention_stats(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, threshold, mass_gpu.data(),
+                              below_gpu.data(), lse_gpu.data(), nullptr);
+    char name[200];
+    std::snprintf(name, sizeof name, "stats %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d thr=%g", dtype_name(dtype), hk, group,
+                  d, bs, n_tokens, n_q, double(threshold));
+    int bad = 0;
+    for (int s = 0; s < n_tokens; ++s) bad += !close(mass_gpu[size_t(s)], mass_cpu[size_t(s)], 1e-5f, 1e-4f);
+    for (int h = 0; h < n_heads; ++h) bad += std::fabs(below_gpu[size_t(h)] - below_cpu[size_t(h)]) > 1.0f;
+    for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
+    expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
+}
+
+// write_dense, copy_paged (with and without RoPE) and read_dense must match the CPU bit for bit.
+void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, bool use_slots, bool unaligned) {
+    const size_t es = kc::dtype_size(dtype);
+    Layer cpu_l = make_layer(dtype, hk, d, bs, n + 7, 100);
+    Layer gpu_l = cpu_l;
+    gpu_l.view.pool = gpu_l.pool.data();
+    gpu_l.view.block_table = gpu_l.table.data();
+    gpu_l.view.positions = gpu_l.positions.data();
+    std::vector<unsigned char> k = random_dense(dtype, int64_t(n) * hk * d + 8), v = random_dense(dtype, int64_t(n) * hk * d + 8);
+    const void *kp = k.data() + (unaligned ? es : 0), *vp = v.data() + (unaligned ? es : 0);
+    std::vector<int32_t> slots(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) slots[size_t(i)] = i;
+    std::shuffle(slots.begin(), slots.end(), rng);
+    for (auto &s : slots) s += 7;
+    const kc::Slots dst_slots = use_slots ? kc::Slots{slots.data(), 0} : kc::Slots{nullptr, 7};
+    const int n_freq = rope_type ? randint(1, d / 2) : 0;
+    std::vector<float> inv_freq;
+    for (int i = 0; i < n_freq; ++i) inv_freq.push_back(std::pow(10000.0f, -float(i) / float(std::max(n_freq, 1))));
+    kc::Rope rope;
+    rope.type = rope_type;
+    rope.n_freq = n_freq;
+    rope.inv_freq = inv_freq.data();
+    rope.scaling = rope_type == 2 ? 1.0f : 0.9f;
+    if (rope_type == 2) {
+        rope.sections[0] = n_freq / 4;
+        rope.sections[1] = (n_freq - rope.sections[0]) / 2;
+        rope.sections[2] = n_freq - rope.sections[0] - rope.sections[1];
+    }
+    std::vector<int32_t> rope_pos;
+    for (int i = 0; i < 3 * n; ++i) rope_pos.push_back(randint(0, 5000));
+    const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
+    char name[200];
+    std::snprintf(name, sizeof name, "copies %s hk=%d d=%d bs=%d n=%d rope=%d slots=%d unaligned=%d", dtype_name(dtype), hk,
+                  d, bs, n, rope_type, int(use_slots), int(unaligned));
+
+    kc::cpu::write_dense(cpu_l.view, dst_slots, n, kp, vp, rope, rp, nullptr);
+    kc::cuda::write_dense(gpu_l.view, dst_slots, n, kp, vp, rope, rp, nullptr);
+    expect(cpu_l.pool == gpu_l.pool, std::string(name) + " write_dense");
+
+    // Paged -> paged: half of the written slots, in shuffled order, into the same layout of a fresh
+    // pool at slots 1.. (RoPE again when set: the restore path).
+    std::vector<int32_t> src_slots(slots.begin(), slots.begin() + n / 2);
+    std::vector<unsigned char> cpu_stage(cpu_l.pool.size(), 0xff), gpu_stage(gpu_l.pool.size(), 0xff);
+    kc::LayerView cpu_dst = cpu_l.view, gpu_dst = gpu_l.view;
+    cpu_dst.pool = cpu_stage.data();
+    gpu_dst.pool = gpu_stage.data();
+    const int m = n / 2;
+    kc::cpu::copy_paged(cpu_l.view, kc::Slots{src_slots.data(), 0}, cpu_dst, kc::Slots{nullptr, 1}, m, rope, rp, nullptr);
+    kc::cuda::copy_paged(gpu_l.view, kc::Slots{src_slots.data(), 0}, gpu_dst, kc::Slots{nullptr, 1}, m, rope, rp, nullptr);
+    expect(cpu_stage == gpu_stage, std::string(name) + " copy_paged");
+
+    const size_t dense = size_t(cpu_l.view.n_tokens) * hk * d * es;
+    std::vector<unsigned char> kc_out(dense + 16, 0), vc_out(dense + 16, 0), kg_out(dense + 16, 1), vg_out(dense + 16, 1);
+    const size_t off = unaligned ? es : 0;
+    kc::cpu::read_dense(cpu_l.view, kc_out.data() + off, vc_out.data() + off, nullptr);
+    kc::cuda::read_dense(gpu_l.view, kg_out.data() + off, vg_out.data() + off, nullptr);
+    expect(std::memcmp(kc_out.data() + off, kg_out.data() + off, dense) == 0 &&
+               std::memcmp(vc_out.data() + off, vg_out.data() + off, dense) == 0,
+           std::string(name) + " read_dense");
+    std::vector<unsigned char> v_only(dense + 16, 2);
+    kc::cuda::read_dense(gpu_l.view, nullptr, v_only.data() + off, nullptr);
+    expect(std::memcmp(vc_out.data() + off, v_only.data() + off, dense) == 0, std::string(name) + " read_dense v only");
+}
+
+} // namespace
+
+int main() {
+    const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
+    const int dims[] = {8, 64, 80, 96, 128, 256};
+    const int blocks[] = {1, 4, 16, 64, 256};
+    const int groups[] = {1, 2, 3, 7, 8, 12};
+    for (kc::DType t : dtypes)
+        for (int d : dims) {
+            test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), false);
+            test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), true);
+        }
+    std::printf("copies: %d checks, %d failures\n", checks, failures);
+    std::fflush(stdout);
+    for (kc::DType t : dtypes)
+        for (int d : dims) {
+            test_attention(t, randint(1, 2), groups[randint(0, 5)], d, blocks[randint(0, 4)], randint(0, 40), randint(1, 3), false);
+            test_attention(t, 1, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(300, 700), randint(1, 2), randint(0, 1));
+        }
+    test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
+    std::printf("attention: %d checks, %d failures\n", checks, failures);
+    std::fflush(stdout);
+    for (kc::DType t : dtypes)
+        for (int d : {8, 80, 128, 256}) {
+            test_stats(t, randint(1, 2), groups[randint(0, 5)], d, blocks[randint(0, 4)], randint(1, 150), randint(1, 4), 0.01f);
+        }
+    test_stats(kc::DType::F32, 1, 8, 64, 16, 300, 40, 0.5f); // query chunks in the key pass
+    test_stats(kc::DType::F16, 2, 3, 64, 4, 50, 3, 0.0f);
+    test_stats(kc::DType::BF16, 1, 2, 64, 4, 50, 3, 1.0f);
+    std::printf("total: %d checks, %d failures\n", checks, failures);
+    return failures == 0 ? 0 : 1;
+}
