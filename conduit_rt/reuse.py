@@ -51,39 +51,49 @@ class RestoredImage:
 
 
 class PassCapture:
-    """LayerCapture of one pass: q of the query rows per layer, pre-RoPE K and V of rows to store."""
+    """LayerCapture of a request's passes: q of the observed positions per layer (the latest pass
+    that computed a position wins), and pre-RoPE K and V of the image tokens to store."""
 
-    def __init__(self, query_rows: torch.Tensor, store: dict[bytes, tuple[int, int]], layers: set[int] | None) -> None:
-        self.query_rows, self.store, self.layers = query_rows, store, layers
-        self.q: dict[int, list[torch.Tensor]] = {}
-        self._offset, self._n = 0, 0
-        self._k_parts: dict[bytes, dict[int, list]] = {key: {} for key in store}
-        self._v_parts: dict[bytes, dict[int, list]] = {key: {} for key in store}
+    def __init__(self, observe: set[int], store: dict[bytes, tuple[int, int]]) -> None:
+        self.observe, self.store = observe, store
+        self.q: dict[int, dict[int, torch.Tensor]] = {}            # layer -> position -> q [n_heads, head_dim]
+        self._kv: dict[bytes, dict[int, tuple[list, list]]] = {key: {} for key in store}
+        self._positions: list[int] = []
+        self._observed_rows: torch.Tensor | None = None
 
-    def begin_chunk(self, offset: int, n: int) -> None:
-        """The next forward covers rows [offset, offset + n) of the pass."""
-        self._offset, self._n = offset, n
+    def begin_chunk(self, positions: list[int]) -> None:
+        """The next forward computes these prompt positions, one per row."""
+        self._positions = positions
+        rows = [i for i, p in enumerate(positions) if p in self.observe]
+        self._observed_rows = torch.tensor(rows, dtype=torch.long)
 
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        lo, hi = self._offset, self._offset + self._n
-        if self.layers is None or layer in self.layers:
-            rows = self.query_rows[(self.query_rows >= lo) & (self.query_rows < hi)] - lo
-            if rows.numel():
-                self.q.setdefault(layer, []).append(q[rows.to(q.device)])
+        if self._observed_rows.numel():
+            kept = q[self._observed_rows.to(q.device)]
+            per_layer = self.q.setdefault(layer, {})
+            for row, q_row in zip(self._observed_rows.tolist(), kept):
+                per_layer[self._positions[row]] = q_row
+        lo, hi = self._positions[0], self._positions[-1] + 1
         for key, (a, b) in self.store.items():
-            a, b = max(a, lo), min(b, hi)
-            if a < b:
-                self._k_parts[key].setdefault(layer, []).append(k_pre_rope[a - lo: b - lo].clone())
-                self._v_parts[key].setdefault(layer, []).append(v[a - lo: b - lo].clone())
+            rows = [i for i, p in enumerate(self._positions) if a <= p < b] if a < hi and b > lo else []
+            if rows:
+                idx = torch.tensor(rows, device=k_pre_rope.device)
+                ks, vs = self._kv[key].setdefault(layer, ([], []))
+                ks.append(k_pre_rope[idx].clone())
+                vs.append(v[idx].clone())
 
-    def query(self, layer: int) -> torch.Tensor:
-        """q of the query rows at ``layer``: [n_query, n_heads, head_dim], contiguous."""
-        return torch.cat(self.q[layer]).contiguous()
+    def queries(self, layer: int, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """q at ``layer`` of those ``positions`` that were computed: ([n, n_heads, head_dim], positions)."""
+        per_layer = self.q.get(layer, {})
+        found = [p for p in positions if p in per_layer]
+        if not found:
+            return torch.zeros(0), []
+        return torch.stack([per_layer[p] for p in found]).contiguous(), found
 
     def stored(self, key: bytes, n_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer pre-RoPE K and V [n_tokens, n_kv_heads, head_dim] of an image to store."""
-        ks = [torch.cat(self._k_parts[key][layer]) for layer in range(n_layers)]
-        vs = [torch.cat(self._v_parts[key][layer]) for layer in range(n_layers)]
+        ks = [torch.cat(self._kv[key][layer][0]) for layer in range(n_layers)]
+        vs = [torch.cat(self._kv[key][layer][1]) for layer in range(n_layers)]
         return ks, vs
 
 
@@ -101,6 +111,7 @@ class ReusePass:
     embed: object
     query_positions: list[int]
     store: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> prompt positions to store
+    observe: list[int] = field(default_factory=list)  # further positions whose final q is kept (compression)
     stats: ReuseStats = field(default_factory=ReuseStats)
 
     def run(self, policy: RefreshPolicy | None, ratio: float, options: RefreshOptions) -> tuple[torch.Tensor, PassCapture]:
@@ -110,7 +121,7 @@ class ReusePass:
         visual = self._restore()
         text_positions = [p for p in range(self.reused, self.n_prompt) if not visual[p]]
         layers = set(options.layers) if options.layers is not None else None
-        capture = PassCapture(self._rows_of(self.query_positions, text_positions), self.store, layers)
+        capture = PassCapture(set(self.query_positions) | set(self.observe), self.store)
         hidden = self._forward(text_positions, capture)
         self.stats.prefill_flops += config.n_layers * _flops(config, text_positions)
         self.stats.full_prefill_flops = config.n_layers * _flops(config, list(range(self.n_prompt)))
@@ -122,7 +133,7 @@ class ReusePass:
         if policy.layerwise and budget == 0:
             return self.model.logits(hidden[-1:])[0], capture
         if policy.layerwise:
-            return self._recompute_layerwise(tokens, budget, text_positions), capture
+            return self._recompute_layerwise(tokens, budget, text_positions, capture), capture
         scores = _PassScores(self, capture, tokens, layers)
         selected = policy.select(tokens, budget, scores, options)
         if scores.used:
@@ -134,7 +145,9 @@ class ReusePass:
         rows = sorted(set(tokens.slots[selected].tolist()) | {p for p in text_positions if p > first})
         self.stats.recomputed_token_layers = len(rows) * config.n_layers
         self.stats.prefill_flops += config.n_layers * _flops(config, rows)
-        out = self.model.forward(self.seq, self.embed(rows), self._batch(rows))
+        capture.store = {}  # images to store keep the KV of the text pass: the request first computed them there
+        capture.begin_chunk(rows)
+        out = self.model.forward(self.seq, self.embed(rows), self._batch(rows), capture)
         return self.model.logits(out[-1:])[0], capture
 
     # -- steps ------------------------------------------------------------------------------------
@@ -155,7 +168,7 @@ class ReusePass:
         hidden = None
         for lo in range(0, len(positions), CHUNK):
             chunk = positions[lo: lo + CHUNK]
-            capture.begin_chunk(lo, len(chunk))
+            capture.begin_chunk(chunk)
             hidden = self.model.forward(self.seq, self.embed(chunk), self._batch(chunk), capture)
         return hidden
 
@@ -175,12 +188,8 @@ class ReusePass:
             return VisualTokens(empty, empty, 0)
         return VisualTokens(torch.cat(slots), torch.cat(image), len(self.restored))
 
-    @staticmethod
-    def _rows_of(positions: list[int], text_positions: list[int]) -> torch.Tensor:
-        row = {p: i for i, p in enumerate(text_positions)}
-        return torch.tensor([row[p] for p in positions if p in row], dtype=torch.long)
-
-    def _recompute_layerwise(self, tokens: VisualTokens, budget: int, text_positions: list[int]) -> torch.Tensor:
+    def _recompute_layerwise(self, tokens: VisualTokens, budget: int, text_positions: list[int],
+                             capture: PassCapture) -> torch.Tensor:
         """CacheBlend: every visual token at layer 0, then per layer the ones whose fresh K, V moved
         most from the cached ones (||dK|| + ||dV||), counts falling linearly (mean = budget)."""
         config = self.model.config
@@ -194,8 +203,10 @@ class ReusePass:
         # row -> index among the visual tokens (-1 for text rows)
         visual_index = torch.tensor([visual_of_slot.get(r, -1) for r in rows], dtype=torch.long)
         x = self.embed(rows)
+        capture.store = {}
         for layer in range(config.n_layers):
-            delta = _DeltaCapture(visual_index, lambda layer=layer: self._cached_kv(layer))
+            capture.begin_chunk(rows)
+            delta = _DeltaCapture(visual_index, lambda layer=layer: self._cached_kv(layer), capture)
             x = self.model.forward_layer(layer, self.seq, x, self._batch(rows), delta)
             self.stats.recomputed_token_layers += len(rows)
             self.stats.prefill_flops += _flops(config, rows)
@@ -214,11 +225,12 @@ class ReusePass:
 class _DeltaCapture:
     """One layer of CacheBlend: ||K_fresh - K_cached|| + ||V_fresh - V_cached|| (pre-RoPE) per visual row."""
 
-    def __init__(self, visual_index: torch.Tensor, cached_kv) -> None:
-        self.visual_index, self.cached_kv = visual_index, cached_kv
+    def __init__(self, visual_index: torch.Tensor, cached_kv, inner: PassCapture) -> None:
+        self.visual_index, self.cached_kv, self.inner = visual_index, cached_kv, inner
         self.change: torch.Tensor | None = None
 
     def on_layer(self, layer: int, q, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        self.inner.on_layer(layer, q, k_pre_rope, v)
         is_visual = self.visual_index >= 0
         k_old, v_old = self.cached_kv()
         rows = torch.nonzero(is_visual).flatten().to(k_pre_rope.device)
@@ -250,11 +262,11 @@ class _PassScores:
         """a_l(t) = mass over the query rows and heads / (|Q| * H): float32 [n_layers_chosen, N]."""
         if self._attention is None:
             config, seq = self.run.model.config, self.run.seq
-            q_pos = torch.tensor(self.run.query_positions, dtype=torch.int32, device=self.run.model.device)
             slots = self.tokens.slots.to(self.run.model.device)
             rows = []
             for layer in self.layers:
-                q = self.capture.query(layer)
+                q, found = self.capture.queries(layer, self.run.query_positions)
+                q_pos = torch.tensor(found, dtype=torch.int32, device=self.run.model.device)
                 mass, _, _ = seq.attention_stats(layer, q, q_pos, config.attention_scale)
                 rows.append(mass[slots] / (q.shape[0] * config.n_heads))
             self._attention = torch.stack(rows)

@@ -105,7 +105,8 @@ class RecordingConduit(Conduit):
     def select(self, tokens, budget, scores, options):
         run = scores.run
         self.seen = dict(tokens=tokens, budget=budget, options=options, query_positions=list(run.query_positions),
-                         q={layer: scores.capture.query(layer).clone() for layer in scores.layers},
+                         q={layer: scores.capture.queries(layer, run.query_positions)[0].clone()
+                            for layer in scores.layers},
                          kv=[run.seq.read_kv(layer) for layer in range(run.model.config.n_layers)],
                          positions=run.seq.positions(0).clone(), n_heads=run.model.config.n_heads,
                          scale=run.model.config.attention_scale)
