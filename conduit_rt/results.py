@@ -27,6 +27,9 @@ class GenerationStats:
     recomputed_token_layers: int = 0    # token-layers of the recompute pass
     prefill_flops_ratio: float = 1.0    # prefill FLOPs / a full prefill of the same request
     kv_bytes: int = 0                   # arena bytes held by the request's sequence at the end
+    kv_bytes_before_compress: int = 0   # the sequence's bytes after prefill, before compression
+    kv_bytes_after_compress: int = 0    # ... and right after it (0: no compression)
+    kept_tokens_per_layer: list[int] | None = None  # prompt tokens each layer kept
     finish_reason: str = ""             # "eos", "stop" or "length"
 
 

@@ -28,6 +28,8 @@ from .image_cache import EmbeddingCache, ImageKVStore
 from .models.base import ForwardBatch, PreparedImage
 from .prefix_cache import PrefixCache
 from .preprocess import image_key, to_rgb_array
+from . import compress as compression
+from .compress import CompressionPolicy, CompressOptions, PromptStats, Recompressor
 from .refresh import RefreshOptions, RefreshPolicy, get_policy
 from .results import GenerationResult, GenerationStats, TextStream
 from .reuse import ReusePass, RestoredImage
@@ -62,6 +64,21 @@ class RefreshSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CompressSpec:
+    """How a request compresses its KV after prefill: ``policy`` None keeps everything."""
+
+    policy: CompressionPolicy | None
+    keep: float
+    options: CompressOptions
+
+    @classmethod
+    def build(cls, compress: str | None, keep: float, options: CompressOptions | dict | None) -> "CompressSpec":
+        if isinstance(options, dict):
+            options = CompressOptions(**options)
+        return cls(compression.get_policy(compress) if compress else None, float(keep), options or CompressOptions())
+
+
+@dataclass(frozen=True, slots=True)
 class _Request:
     """One request after tokenization: what every later step of the path reads."""
 
@@ -76,6 +93,13 @@ class _Request:
     def next_rope(self) -> int:
         """RoPE position of the first generated token."""
         return int(self.rope.max()) + 1 if self.rope.numel() else 0
+
+    def post_vision_positions(self) -> list[int]:
+        """VL-Cache's P: the tokens after the last image (no image: the last 32 tokens)."""
+        n = len(self.prompt.token_ids)
+        slots = self.prompt.image_slots
+        start = slots[-1].start + slots[-1].n_tokens if slots else max(0, n - 32)
+        return list(range(start, n))
 
     def query_positions(self, query_tokens: int | None) -> list[int]:
         """The query rows of scoring: the trailing text segment, or the last ``query_tokens`` tokens."""
@@ -137,15 +161,18 @@ class Runtime:
     def generate(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False,
                  refresh: str | None = None, refresh_budget: float = 0.1,
-                 refresh_options: RefreshOptions | dict | None = None) -> GenerationResult:
+                 refresh_options: RefreshOptions | dict | None = None, compress: str | None = None,
+                 keep: float = 0.1, compress_options: CompressOptions | dict | None = None) -> GenerationResult:
         """Answers the messages (OpenAI chat style, images as parts) in one go.
 
         refresh: None restores no image KV (every token not in an exact prefix is computed); a policy
         name ("conduit", "full", "none", "first", "random", "attention", "cacheblend") restores
         cached images at their new positions and recomputes ``refresh_budget`` of their tokens.
+        compress: None keeps the whole KV; a policy name ("vlcache", "none", "random", "streamingllm",
+        "h2o", "snapkv", "pyramidkv") keeps ``keep`` of the prompt's KV for decoding.
         """
         stream = self.stream(messages, max_tokens, temperature, top_p, seed, stop, return_logits, refresh,
-                             refresh_budget, refresh_options)
+                             refresh_budget, refresh_options, compress, keep, compress_options)
         for _ in stream:
             pass
         return stream.result
@@ -153,12 +180,14 @@ class Runtime:
     def stream(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False,
                refresh: str | None = None, refresh_budget: float = 0.1,
-               refresh_options: RefreshOptions | dict | None = None) -> TextStream:
+               refresh_options: RefreshOptions | dict | None = None, compress: str | None = None,
+               keep: float = 0.1, compress_options: CompressOptions | dict | None = None) -> TextStream:
         """Like ``generate``, yielding text pieces as they decode; ``.result`` holds the whole answer."""
         sampling = SamplingParams.build(max_tokens, temperature, top_p, seed, stop)
         spec = RefreshSpec.build(refresh, refresh_budget, refresh_options)
+        squeeze = CompressSpec.build(compress, keep, compress_options)
         holder: list = []
-        return TextStream(self._run(messages, sampling, spec, return_logits, None, holder), holder)
+        return TextStream(self._run(messages, sampling, spec, squeeze, return_logits, None, holder), holder)
 
     def chat(self) -> "ChatSession":
         """A multi-turn session that keeps its sequence in the arena between turns."""
@@ -167,20 +196,23 @@ class Runtime:
         return ChatSession(self)
 
     # -- the request path -----------------------------------------------------------------------------
-    def _run(self, messages: list[dict], sampling: SamplingParams, spec: RefreshSpec, return_logits: bool,
-             turn: Any, holder: list) -> Iterator[str]:
+    def _run(self, messages: list[dict], sampling: SamplingParams, spec: RefreshSpec, squeeze: CompressSpec,
+             return_logits: bool, turn: Any, holder: list) -> Iterator[str]:
         start = time.perf_counter()
-        request = self._request(messages)                                     # 1, 2
+        request = self._request(messages)                                             # 1, 2
         try:
-            seq, logits, stats = self._prefill_planned(request, spec, turn)   # 3, 4
+            seq, logits, stats, capture = self._prefill_planned(request, spec, squeeze, turn)  # 3, 4
         except ArenaFullError:  # kept prefixes may hold the room: drop them and try once more
             self.prefix_cache.clear()
-            seq, logits, stats = self._prefill_planned(request, spec, turn)
+            seq, logits, stats, capture = self._prefill_planned(request, spec, squeeze, turn)
+        recompress = self._compress(seq, request, capture, squeeze, stats)           # 5 (optional)
         try:
-            yield from self._decode(seq, logits, request, sampling, return_logits, stats, start, holder)  # 5
+            yield from self._decode(seq, logits, request, sampling, return_logits, stats, start, holder,
+                                    recompress)                                       # 6
         finally:
             generated = holder[0].tokens if holder else []
-            identity = (request.identity + [("t", t) for t in generated])[: seq.n_tokens(0)]
+            # a compressed sequence no longer holds its prompt exactly: never an exact prefix again
+            identity = [] if squeeze.policy else (request.identity + [("t", t) for t in generated])[: seq.n_tokens(0)]
             if turn is None:
                 self.prefix_cache.insert(identity, seq)
             else:
@@ -200,7 +232,8 @@ class Runtime:
         rope = self.model.rope_positions(prompt, images)
         return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys))
 
-    def _prefill_planned(self, request: _Request, spec: RefreshSpec, turn: Any) -> tuple[Any, torch.Tensor, GenerationStats]:
+    def _prefill_planned(self, request: _Request, spec: RefreshSpec, squeeze: CompressSpec,
+                         turn: Any) -> tuple[Any, torch.Tensor, GenerationStats, Any]:
         """Plans the exact prefix and the restored images, then runs the prefill (``ReusePass``)."""
         seq, reused = self._exact_prefix(turn, request.identity)
         n = len(request.prompt.token_ids)
@@ -211,7 +244,8 @@ class Runtime:
             restored, store = self._plan_images(request, reused, spec, stats)
             reuse = ReusePass(self.model, seq, request.rope, n, reused, restored,
                               lambda positions: self._embeddings(request, positions),
-                              request.query_positions(spec.options.query_tokens), store)
+                              request.query_positions(spec.options.query_tokens), store,
+                              self._observed(request, squeeze))
             logits, capture = reuse.run(spec.policy, spec.ratio, spec.options)
             for key in store:
                 self.image_kv.store(key, *capture.stored(key, self.model.config.n_layers))
@@ -225,7 +259,35 @@ class Runtime:
         stats.visual_tokens, stats.refreshed_tokens = r.visual_tokens, r.refreshed_tokens
         stats.recomputed_token_layers = r.recomputed_token_layers
         stats.prefill_flops_ratio = r.prefill_flops / r.full_prefill_flops if r.full_prefill_flops else 0.0
-        return seq, logits, stats
+        return seq, logits, stats, capture
+
+    @staticmethod
+    def _observed(request: _Request, squeeze: CompressSpec) -> list[int]:
+        """Prompt positions whose final q compression needs (P, the SnapKV window, or all for H2O)."""
+        if squeeze.policy is None:
+            return []
+        n = len(request.prompt.token_ids)
+        if squeeze.policy.observe_all:
+            return list(range(n))
+        return sorted(set(request.post_vision_positions()) | set(range(max(0, n - squeeze.options.window), n)))
+
+    def _compress(self, seq, request: _Request, capture, squeeze: CompressSpec,
+                  stats: GenerationStats) -> Recompressor | None:
+        """Keeps ``squeeze.keep`` of the prompt's KV per layer (compaction frees the rest)."""
+        if squeeze.policy is None:
+            return None
+        c = self.model.config
+        post_vision = request.post_vision_positions()
+        prompt_stats = PromptStats(seq, c.n_layers, c.n_heads, c.attention_scale, capture.queries, post_vision,
+                                   squeeze.options)
+        stats.kv_bytes_before_compress = seq.nbytes
+        kept = squeeze.policy.keep(prompt_stats, squeeze.keep)
+        for layer, slots in enumerate(kept):
+            seq.compact(layer, slots)
+        stats.kv_bytes_after_compress = seq.nbytes
+        stats.kept_tokens_per_layer = [len(slots) for slots in kept]
+        every = squeeze.options.recompress_every
+        return Recompressor(seq, stats.kept_tokens_per_layer, every, post_vision, c.attention_scale) if every else None
 
     def _exact_prefix(self, turn: Any, identity: list) -> tuple[Any, int]:
         """A sequence holding the longest known exact prefix of the prompt, and its length."""
@@ -307,7 +369,8 @@ class Runtime:
         return features
 
     def _decode(self, seq, logits: torch.Tensor, request: _Request, sampling: SamplingParams, return_logits: bool,
-                stats: GenerationStats, start: float, holder: list) -> Iterator[str]:
+                stats: GenerationStats, start: float, holder: list,
+                recompress: Recompressor | None = None) -> Iterator[str]:
         sampler = Sampler(sampling, self.device)
         detok = self.assets.tokenizer.detokenizer()
         eos = self.assets.eos_token_ids
@@ -337,7 +400,10 @@ class Runtime:
                 yield text[emitted: len(text) - hold_back]
                 emitted = len(text) - hold_back
             if step + 1 < sampling.max_tokens:
-                logits = self._step(seq, token, len(request.prompt.token_ids) + step, request.next_rope + step)
+                position = len(request.prompt.token_ids) + step
+                logits = self._step(seq, token, position, request.next_rope + step, recompress)
+                if recompress is not None:
+                    recompress.after_step(position)
         if finish != "stop":  # release characters the detokenizer held back (an unfinished byte run)
             text += detok.flush()
             cut = _find_stop(text, sampling.stop)
@@ -355,14 +421,14 @@ class Runtime:
         holder.append(GenerationResult(text=text, tokens=tokens, stats=stats,
                                        logits=torch.stack(step_logits) if return_logits and step_logits else None))
 
-    def _step(self, seq, token: int, position: int, rope_position: int) -> torch.Tensor:
+    def _step(self, seq, token: int, position: int, rope_position: int, capture=None) -> torch.Tensor:
         """One decode step: the token at causal ``position`` -> next-token logits [vocab]."""
         positions = torch.tensor([position], dtype=torch.int32, device=self.device)
         seq.append([position])
         embeds = self.model.embed_tokens(torch.tensor([token], dtype=torch.long, device=self.device))
         rows = (3, 1) if self.model.config.rope.sections else (1,)
         rope = torch.full(rows, rope_position, dtype=torch.int32, device=self.device)
-        hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope))
+        hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope), capture)
         return self.model.logits(hidden)[0]
 
 

@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .compress import CompressOptions
 from .refresh import RefreshOptions
 from .results import GenerationResult, TextStream
-from .runtime import RefreshSpec, Runtime
+from .runtime import CompressSpec, RefreshSpec, Runtime
 from .sampling import SamplingParams
 
 
@@ -38,14 +39,16 @@ class ChatSession:
     def stream(self, content: str | list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop: str | list[str] | None = None, return_logits: bool = False,
                refresh: str | None = None, refresh_budget: float = 0.1,
-               refresh_options: RefreshOptions | dict | None = None) -> TextStream:
+               refresh_options: RefreshOptions | dict | None = None, compress: str | None = None,
+               keep: float = 0.1, compress_options: CompressOptions | dict | None = None) -> TextStream:
         sampling = SamplingParams.build(max_tokens, temperature, top_p, seed, stop)
         spec = RefreshSpec.build(refresh, refresh_budget, refresh_options)
+        squeeze = CompressSpec.build(compress, keep, compress_options)
         messages = self.history + [{"role": "user", "content": content}]
         holder: list = []
 
         def pieces() -> Iterator[str]:
-            yield from self.runtime._run(messages, sampling, spec, return_logits, self._turn, holder)
+            yield from self.runtime._run(messages, sampling, spec, squeeze, return_logits, self._turn, holder)
             self.history = messages + [{"role": "assistant", "content": holder[0].text}]
 
         return TextStream(pieces(), holder)

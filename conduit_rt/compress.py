@@ -1,0 +1,232 @@
+"""KV compression for decoding (METHODS.md §2): after prefill, keep per layer a budget of the prompt's
+KV and give the rest back to the arena. Every policy sees the same ``PromptStats`` and keep ratio α
+and returns, per layer, the sorted slots to keep:
+
+  none          everything
+  random        uniformly random tokens (seeded per layer)
+  streamingllm  4 sink tokens + the most recent ones
+  h2o           half heavy hitters (attention accumulated over every computed prompt query), half recent
+  snapkv        the last 32 prompt queries' attention, summed over heads, avg-pooled (kernel 5); window kept
+  pyramidkv     snapkv's scores with layer budgets falling linearly (bottom 2k - k/β, top k/β, β = 20)
+  vlcache       layer budgets from each layer's post-vision attention density, then the tokens the
+                post-vision queries attend to most (text and visual in one ranking); P itself kept
+
+Budgets: round(α · m · L) tokens in all, apportioned over layers by largest remainder (equal weights
+unless the policy says otherwise). The attention statistics come from the native ``attention_stats``
+kernel over the queries the prefill computed; no [n_q, m] matrix is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import RequestError
+from .refresh import apportion
+
+
+@dataclass(frozen=True, slots=True)
+class CompressOptions:
+    """Knobs of compression (defaults from METHODS.md §2)."""
+
+    threshold: float = 0.01           # VL-Cache: entries below threshold x row max count as zero
+    window: int = 32                  # SnapKV/PyramidKV observation window (and kept window)
+    pool_kernel: int = 5              # SnapKV/PyramidKV average pooling
+    sinks: int = 4                    # StreamingLLM
+    pyramid_beta: float = 20.0        # PyramidKV steepness
+    min_layer_ratio: float = 0.01     # VL-Cache clip of β_l
+    recompress_every: int | None = None  # beyond the paper: re-compress every N decoded tokens
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.threshold <= 1:
+            raise RequestError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.recompress_every is not None and self.recompress_every < 1:
+            raise RequestError(f"recompress_every must be >= 1, got {self.recompress_every}")
+
+
+class PromptStats:
+    """What the policies read about a prefilled prompt of m tokens, computed on demand per layer.
+
+    ``queries(layer, positions)`` returns the q the prefill computed for those positions
+    ([n, n_heads, head_dim]) and which positions it had; statistics come from
+    ``Sequence.attention_stats`` over the layer's stored tokens (slot order).
+    """
+
+    def __init__(self, seq, n_layers: int, n_heads: int, scale: float, queries, post_vision: list[int],
+                 options: CompressOptions) -> None:
+        self.seq, self.n_layers, self.n_heads, self.scale = seq, n_layers, n_heads, scale
+        self.queries, self.post_vision, self.options = queries, post_vision, options
+        self.m = seq.n_tokens(0)
+        self.sorted_positions = torch.sort(seq.positions(0).long()).values  # no layer compacted yet
+        self._cache: dict[tuple[int, tuple[int, ...]], tuple] = {}
+
+    def _stats(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(mass float32 [m] on CPU, n_below float32 [n_heads], visible (query, key) pairs per head)."""
+        cache_key = (layer, tuple(rows))
+        if cache_key not in self._cache:
+            q, found = self.queries(layer, rows)
+            if not found:
+                self._cache[cache_key] = (torch.zeros(self.m), torch.zeros(self.n_heads), 0.0)
+            else:
+                q_pos = torch.tensor(found, dtype=torch.int32, device=q.device)
+                mass, n_below, _ = self.seq.attention_stats(layer, q, q_pos, self.scale, self.options.threshold)
+                keys_seen = torch.searchsorted(self.sorted_positions, torch.tensor(found), right=True)
+                self._cache[cache_key] = (mass.cpu(), n_below.cpu(), float(keys_seen.sum()))
+        return self._cache[cache_key]
+
+    def post_vision_mass(self, layer: int) -> torch.Tensor:
+        return self._stats(layer, self.post_vision)[0]
+
+    def density(self, layer: int) -> float:
+        """d_l = 1 - mean over heads of the fraction of post-vision entries under threshold x row max."""
+        _, n_below, visible = self._stats(layer, self.post_vision)
+        return 1.0 - float((n_below / visible).mean()) if visible else 1.0
+
+    def window_mass(self, layer: int) -> torch.Tensor:
+        return self._stats(layer, list(range(max(0, self.m - self.options.window), self.m)))[0]
+
+    def all_mass(self, layer: int) -> torch.Tensor:
+        return self._stats(layer, list(range(self.m)))[0]
+
+
+def total_budget(ratio: float, m: int, n_layers: int) -> int:
+    if not 0.0 <= ratio <= 1.0:
+        raise RequestError(f"keep must be in [0, 1], got {ratio}")
+    return min(m * n_layers, round(ratio * m * n_layers))
+
+
+def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
+    """The ``forced`` slots plus the best-scoring others, k in all (sorted)."""
+    scores = scores.clone().float()
+    keep = sorted(set(forced))[:k]
+    if keep:
+        scores[torch.tensor(keep)] = float("-inf")
+    extra = max(0, min(k, scores.numel()) - len(keep))
+    if extra:
+        keep += torch.topk(scores, extra).indices.tolist()
+    return sorted(keep)
+
+
+class CompressionPolicy:
+    name = ""
+    observe_all = False  # needs the q of every prompt position (H2O)
+
+    def layer_budgets(self, stats: PromptStats, ratio: float) -> list[int]:
+        total = total_budget(ratio, stats.m, stats.n_layers)
+        return apportion([1.0] * stats.n_layers, total, [stats.m] * stats.n_layers)
+
+    def keep(self, stats: PromptStats, ratio: float) -> list[list[int]]:
+        """Per layer, the sorted slots to keep."""
+        return [self.select(stats, layer, k) for layer, k in enumerate(self.layer_budgets(stats, ratio))]
+
+    def select(self, stats: PromptStats, layer: int, k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class KeepAll(CompressionPolicy):
+    name = "none"
+
+    def keep(self, stats, ratio):
+        return [list(range(stats.m)) for _ in range(stats.n_layers)]
+
+
+class RandomKeep(CompressionPolicy):
+    name = "random"
+
+    def select(self, stats, layer, k):
+        generator = torch.Generator().manual_seed(stats.options.seed * 100003 + layer)
+        return sorted(torch.randperm(stats.m, generator=generator)[:k].tolist())
+
+
+class StreamingLLM(CompressionPolicy):
+    name = "streamingllm"
+
+    def select(self, stats, layer, k):
+        sinks = min(stats.options.sinks, k)
+        return sorted(set(range(sinks)) | set(range(stats.m - (k - sinks), stats.m)))
+
+
+class H2O(CompressionPolicy):
+    name = "h2o"
+    observe_all = True
+
+    def select(self, stats, layer, k):
+        recent = list(range(stats.m - k // 2, stats.m))
+        return top_slots(stats.all_mass(layer), k, recent)
+
+
+class SnapKV(CompressionPolicy):
+    name = "snapkv"
+
+    def select(self, stats, layer, k):
+        kernel = stats.options.pool_kernel
+        pooled = F.avg_pool1d(stats.window_mass(layer)[None, None], kernel, stride=1, padding=kernel // 2,
+                              count_include_pad=False)[0, 0]
+        window = list(range(max(0, stats.m - stats.options.window), stats.m))
+        return top_slots(pooled, k, window)
+
+
+class PyramidKV(SnapKV):
+    name = "pyramidkv"
+
+    def layer_budgets(self, stats, ratio):
+        total, n_layers, beta = total_budget(ratio, stats.m, stats.n_layers), stats.n_layers, stats.options.pyramid_beta
+        top, bottom = 1.0 / beta, 2.0 - 1.0 / beta  # in units of the mean budget k
+        weights = [bottom + (top - bottom) * layer / max(1, n_layers - 1) for layer in range(n_layers)]
+        return apportion(weights, total, [stats.m] * n_layers)
+
+
+class VLCache(CompressionPolicy):
+    name = "vlcache"
+
+    def layer_budgets(self, stats, ratio):
+        n_layers, m = stats.n_layers, stats.m
+        densities = [stats.density(layer) for layer in range(n_layers)]
+        total_density = sum(densities) or 1.0
+        betas = [min(1.0, max(stats.options.min_layer_ratio, d / total_density * ratio * n_layers)) for d in densities]
+        return apportion(betas, total_budget(ratio, m, n_layers), [m] * n_layers)
+
+    def select(self, stats, layer, k):
+        return top_slots(stats.post_vision_mass(layer), k, stats.post_vision)
+
+
+POLICIES: dict[str, CompressionPolicy] = {p.name: p for p in (KeepAll(), RandomKeep(), StreamingLLM(), H2O(), SnapKV(),
+                                                               PyramidKV(), VLCache())}
+
+
+def get_policy(name: str) -> CompressionPolicy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise RequestError(f"unknown compression policy {name!r}; use one of {sorted(POLICIES)}") from None
+
+
+class Recompressor:
+    """Beyond the paper: every ``every`` decoded tokens, brings each layer back to its budget, keeping
+    the post-vision tokens and the recent decoded ones, ranking the rest by the attention of the
+    recent decoded tokens. It is the decode steps' LayerCapture (it keeps their q)."""
+
+    def __init__(self, seq, budgets: list[int], every: int, post_vision: list[int], scale: float) -> None:
+        self.seq, self.budgets, self.every, self.post_vision, self.scale = seq, budgets, every, post_vision, scale
+        self.q: dict[int, list[torch.Tensor]] = {}
+        self.recent: list[int] = []
+
+    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        self.q.setdefault(layer, []).append(q.clone())
+
+    def after_step(self, position: int) -> None:
+        self.recent.append(position)
+        if len(self.recent) < self.every:
+            return
+        for layer, budget in enumerate(self.budgets):
+            q = torch.cat(self.q[layer]).contiguous()
+            q_pos = torch.tensor(self.recent, dtype=torch.int32, device=q.device)
+            mass, _, _ = self.seq.attention_stats(layer, q, q_pos, self.scale)
+            positions = self.seq.positions(layer).tolist()
+            forced_positions = set(self.recent) | set(self.post_vision)
+            forced = [slot for slot, p in enumerate(positions) if p in forced_positions]
+            self.seq.compact(layer, top_slots(mass.cpu(), max(budget, len(forced)), forced))
+        self.q.clear()
+        self.recent = []
