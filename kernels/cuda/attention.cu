@@ -87,6 +87,7 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
     p.q_pos = q_pos;
     p.q_vector = aligned16(q);
     p.scale_log2 = scale * 1.4426950408889634f; // log2(e): scores are kept in base 2
+    p.trim_to_visible = n_q > 1; // several queries: a causal chunk or scattered recompute, not decode
     return p;
 }
 

@@ -47,6 +47,7 @@ struct AttentionParams {
     float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (!kValues only)
     int32_t n_splits;
     int32_t split_tokens;   // slots per split, a multiple of the tile rows
+    bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
 };
 
 // Fills AttentionParams from a layer and the queries, checking the kernels' preconditions
@@ -140,6 +141,40 @@ __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_h
     }
 }
 
+// Narrows [begin, end) to [first, last + 1) of the slots visible at q_position (empty if none). It
+// reads 4 bytes per slot against the 4 * head_dim (and more) of K and V per slot that it can save:
+// in a causal prefill chunk most queries see only a prefix. Call from all threads of the CTA.
+__device__ __forceinline__ void trim_to_visible(const int32_t *positions, int32_t q_position, int32_t &begin,
+                                                int32_t &end) {
+    __shared__ int32_t bounds[2][kAttnWarps];
+    int32_t first = INT32_MAX, last = -1;
+    for (int32_t s = begin + threadIdx.x; s < end; s += kAttnThreads) {
+        if (positions[s] <= q_position) {
+            first = min(first, s);
+            last = s;
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        first = min(first, __shfl_xor_sync(0xffffffffu, first, offset));
+        last = max(last, __shfl_xor_sync(0xffffffffu, last, offset));
+    }
+    if (threadIdx.x % 32 == 0) {
+        bounds[0][threadIdx.x / 32] = first;
+        bounds[1][threadIdx.x / 32] = last;
+    }
+    __syncthreads();
+    first = INT32_MAX;
+    last = -1;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+        first = min(first, bounds[0][w]);
+        last = max(last, bounds[1][w]);
+    }
+    begin = last < 0 ? begin : first;
+    end = last + 1 > begin ? last + 1 : begin;
+}
+
 template <typename T, int kLanes, int kPerLane, int kGroupTile, bool kValues>
 __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const AttentionParams p) {
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
@@ -151,8 +186,8 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     const int32_t qi = blockIdx.x;
     const int32_t kv_head = blockIdx.y / p.head_tiles, head_tile = blockIdx.y % p.head_tiles;
     const int32_t split = blockIdx.z;
-    const int32_t begin = split * p.split_tokens;
-    const int32_t end = min(p.n_tokens, begin + p.split_tokens);
+    int32_t begin = split * p.split_tokens;
+    int32_t end = min(p.n_tokens, begin + p.split_tokens);
     const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int32_t row_group = lane / kLanes, j = lane % kLanes;
     const int32_t n_chunks = p.head_dim / kVec;
@@ -189,6 +224,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
         for (int e = 0; e < kF; ++e) acc[h][e] = 0.0f;
     }
 
+    if (p.trim_to_visible) trim_to_visible(p.positions, q_position, begin, end);
     const int32_t n_tiles = end > begin ? (end - begin + S::kTileRows - 1) / S::kTileRows : 0;
 #pragma unroll
     for (int t = 0; t < kAttnStages - 1; ++t) {

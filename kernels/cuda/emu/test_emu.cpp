@@ -83,13 +83,16 @@ bool close(float got, float want, float atol, float rtol) {
 
 float out_rtol(kc::DType t) { return t == kc::DType::F32 ? 1e-4f : t == kc::DType::F16 ? 2e-3f : 1.6e-2f; }
 
-void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, bool unaligned_q) {
+// causal_chunk: positions 0..n_tokens-1 in slot order and the queries are the last n_q of them, as in
+// a prefill chunk; otherwise positions and query positions are random (scattered recompute).
+void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, bool unaligned_q,
+                    bool causal_chunk = false) {
     const int n_heads = hk * group, max_pos = 60;
     Layer l = make_layer(dtype, hk, d, bs, n_tokens, max_pos);
     // Keys no query can see hold NaN: they must never reach the arithmetic.
-    for (int s = 0; s < n_tokens; ++s)
+    for (int s = 0; s < n_tokens && !causal_chunk; ++s)
         if (s % 5 == 0) l.positions[size_t(s)] = max_pos + 10;
-    for (int s = 0; s < n_tokens; ++s)
+    for (int s = 0; s < n_tokens && !causal_chunk; ++s)
         if (l.positions[size_t(s)] > max_pos)
             for (int h = 0; h < hk; ++h) {
                 const int64_t off = kc::cpu::k_offset(l.view, s, h);
@@ -103,6 +106,10 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     const void *q = q_buf.data() + (unaligned_q ? es : 0);
     std::vector<int32_t> q_pos;
     for (int i = 0; i < n_q; ++i) q_pos.push_back(i == 1 ? -1 : randint(0, max_pos)); // query 1 sees nothing
+    if (causal_chunk) {
+        for (int s = 0; s < n_tokens; ++s) l.positions[size_t(s)] = s;
+        for (int i = 0; i < n_q; ++i) q_pos[size_t(i)] = n_tokens - n_q + i;
+    }
     const size_t out_elems = size_t(n_q) * n_heads * d;
     std::vector<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff);
     std::vector<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, 123.0f);
@@ -230,6 +237,8 @@ int main() {
             test_attention(t, 1, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(300, 700), randint(1, 2), randint(0, 1));
         }
     test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
+    test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, true);
+    test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, true);
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     for (kc::DType t : dtypes)
