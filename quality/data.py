@@ -141,11 +141,11 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int) -
     }
 
 
-def max_pages_for(progress: float, warmup_fraction: float) -> int:
-    """Curriculum: up to 2 pages at the start, all 8 once ``progress`` reaches ``warmup_fraction``."""
+def max_pages_for(progress: float, warmup_fraction: float, cap: int = MAX_PAGES) -> int:
+    """Curriculum: up to 2 pages at the start, ``cap`` once ``progress`` reaches ``warmup_fraction``."""
     if warmup_fraction <= 0:
-        return MAX_PAGES
-    return min(MAX_PAGES, 2 + int((MAX_PAGES - 1) * progress / warmup_fraction))
+        return cap
+    return min(cap, 2 + int((MAX_PAGES - 1) * progress / warmup_fraction))
 
 
 class TrainStream(torch.utils.data.IterableDataset):
@@ -157,10 +157,10 @@ class TrainStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, pages: Sequence[Page], seed: int, tokenizer: Tokenizer, batch_size: int,
-                 progress, curriculum_fraction: float = 0.2, bucket: int = 8) -> None:
+                 progress, curriculum_fraction: float = 0.2, bucket: int = 8, max_pages: int = MAX_PAGES) -> None:
         self.pages, self.seed, self.tokenizer = tuple(pages), seed, tokenizer
         self.batch_size, self.progress, self.bucket = batch_size, progress, bucket
-        self.curriculum_fraction = curriculum_fraction
+        self.curriculum_fraction, self.max_pages = curriculum_fraction, max_pages
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()
@@ -169,7 +169,7 @@ class TrainStream(torch.utils.data.IterableDataset):
         shuffle = random.Random(f"quality-stream:{self.seed}:{worker}")
         group = self.bucket * self.batch_size
         for round_index in range(worker, 1 << 40, num_workers):
-            max_pages = max_pages_for(self.progress.value, self.curriculum_fraction)
+            max_pages = max_pages_for(self.progress.value, self.curriculum_fraction, self.max_pages)
             start = round_index * group
             requests = [make_request(self.pages, "train", self.seed, index, max_pages=max_pages)
                         for index in range(start, start + group)]

@@ -1,7 +1,8 @@
 """The task model's architecture (LLaVA-1.5: CLIP ViT, 2-layer MLP projector, Llama decoder) and its folder.
 
 ``ModelSize`` presets: ``default`` (about 15M parameters, about 30 MB in bfloat16) is the one
-trained on a GPU and shipped; ``tiny`` is for CPU tests. ``write_model_folder`` writes what a
+trained on a GPU and shipped; ``small`` (about 2.4M) is for CPU experiments at
+reduced page counts; ``tiny`` is for CPU tests. ``write_model_folder`` writes what a
 llava-hf hub repo holds (config.json, model.safetensors, tokenizer files, preprocessor_config.json,
 processor_config.json, chat_template.json), so that ``LlavaForConditionalGeneration`` and
 ``AutoProcessor`` load it with ``from_pretrained`` and ``conduit convert`` converts it.
@@ -46,6 +47,10 @@ MODEL_SIZES = {
     "default": ModelSize(
         vision_hidden=256, vision_layers=5, vision_heads=4,
         text_hidden=384, text_layers=6, text_heads=6, text_kv_heads=2, text_intermediate=1024,
+    ),
+    "small": ModelSize(
+        vision_hidden=128, vision_layers=3, vision_heads=2,
+        text_hidden=192, text_layers=4, text_heads=3, text_kv_heads=1, text_intermediate=512,
     ),
     "tiny": ModelSize(
         vision_hidden=32, vision_layers=3, vision_heads=2,

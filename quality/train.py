@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from quality.data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
 from quality.evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
 from quality.model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
+from quality.reading_loss import ReadingHead, cell_labels  # noqa: E402
 from quality.tokenizer import build_tokenizer  # noqa: E402
 
 
@@ -49,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--reading-weight", type=float, default=0.5,
+                        help="weight of the auxiliary per-cell reading loss (0: answer loss only)")
     parser.add_argument("--curriculum", type=float, default=0.15, help="fraction of training to reach 8 pages")
+    parser.add_argument("--max-pages", type=int, default=8, help="most pages per request (train and eval)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-pages", type=int, default=60_000)
     parser.add_argument("--eval-pages", type=int, default=4_000, help="pool size of val and of test")
@@ -57,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test-requests", type=int, default=2_000)
     parser.add_argument("--stale-requests", type=int, default=128, help="test requests for the stale-KV check (0: skip)")
     parser.add_argument("--eval-every", type=int, default=1_000, help="steps between validation runs")
+    parser.add_argument("--log-every", type=int, default=100, help="steps between progress lines")
     parser.add_argument("--workers", type=int, default=max(0, min(8, cpus - 2)))
     parser.add_argument("--render-processes", type=int, default=cpus)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -76,10 +81,11 @@ def learning_rate(step: int, progress: float, args: argparse.Namespace) -> float
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def make_optimizer(model, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms, biases, position/class embeddings' 1-D rows)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+def make_optimizer(modules: list[torch.nn.Module], args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases, the class embedding)."""
+    parameters = [p for module in modules for p in module.parameters()]
+    decay = [p for p in parameters if p.ndim >= 2]
+    no_decay = [p for p in parameters if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = args.device.startswith("cuda")
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-8, fused=fused)
@@ -114,15 +120,20 @@ def train(args: argparse.Namespace) -> dict:
     log("pools rendered", train=len(train_pool.pages), val=len(val_pool.pages), test=len(test_pool.pages))
     train_pixels = torch.from_numpy(train_pool.pixels).to(device)
     val_pixels = torch.from_numpy(val_pool.pixels).to(device)
-    val_requests = val_pool.requests(args.val_requests)
-    test_requests = test_pool.requests(args.test_requests)
+    val_requests = val_pool.requests(args.val_requests, max_pages=args.max_pages)
+    test_requests = test_pool.requests(args.test_requests, max_pages=args.max_pages)
 
     model = new_model(tokenizer, MODEL_SIZES[args.size], seed=args.seed).to(device).train()
-    optimizer = make_optimizer(model, args)
+    reading_head = ReadingHead(model.config.text_config.hidden_size).to(device)
+    train_labels = torch.from_numpy(cell_labels(train_pool.pages)).to(device)
+    if args.reading_weight > 0:
+        reading_head.attach(model)
+    optimizer = make_optimizer([model, reading_head], args)
     log("model ready", parameters=count_parameters(model), device=device)
 
     progress_value = multiprocessing.Value("d", 0.0)
-    stream = TrainStream(train_pool.pages, args.seed, tokenizer, args.batch_size, progress_value, args.curriculum)
+    stream = TrainStream(train_pool.pages, args.seed, tokenizer, args.batch_size, progress_value, args.curriculum,
+                         max_pages=args.max_pages)
     loader = torch.utils.data.DataLoader(
         stream, batch_size=None, num_workers=args.workers, pin_memory=device.startswith("cuda"),
         prefetch_factor=8 if args.workers else None, persistent_workers=bool(args.workers),
@@ -131,7 +142,7 @@ def train(args: argparse.Namespace) -> dict:
     reserve_s = 30.0 + 0.25 * args.stale_requests if device.startswith("cuda") else 5.0
     train_start = time.time()
     train_budget = max(1.0, args.minutes * 60 - (train_start - START_TIME) - reserve_s)
-    step, tokens, running_loss, val_em, eval_seconds = 0, 0, 0.0, float("nan"), 0.0
+    step, tokens, running_loss, running_reading, val_em, eval_seconds = 0, 0, 0.0, 0.0, float("nan"), 0.0
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     for batch in loader:
         elapsed = time.time() - train_start
@@ -145,24 +156,32 @@ def train(args: argparse.Namespace) -> dict:
         pixel_values = normalize_pixels(train_pixels[batch["page_ids"]])
         with autocast:
             loss = answer_loss(model, batch, pixel_values)
+            total = loss
+            if args.reading_weight > 0:
+                reading = reading_head.loss(train_labels[batch["page_ids"]].long())
+                total = loss + args.reading_weight * reading
+                running_reading += reading.detach()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         tokens += batch["input_ids"].numel()
         running_loss += loss.detach()
-        if step % 100 == 0 or step == args.max_steps:
-            log("train", step=step, loss=f"{float(running_loss) / (100 if step % 100 == 0 else step % 100):.4f}",
-                lr=f"{optimizer.param_groups[0]['lr']:.2e}", max_pages=max_pages_for(progress, args.curriculum),
+        if step % args.log_every == 0 or step == args.max_steps:
+            num_logged = args.log_every if step % args.log_every == 0 else step % args.log_every
+            log("train", step=step, loss=f"{float(running_loss) / num_logged:.4f}",
+                reading_loss=f"{float(running_reading) / num_logged:.4f}",
+                lr=f"{optimizer.param_groups[0]['lr']:.2e}", max_pages=max_pages_for(progress, args.curriculum, args.max_pages),
                 tokens_per_s=f"{tokens / (time.time() - train_start):.0f}")
-            running_loss = 0.0
+            running_loss, running_reading = 0.0, 0.0
         if step % args.eval_every == 0:
             eval_start = time.time()
             val_em, _ = evaluate(model, encoder, val_requests, val_pool, val_pixels, device)
             eval_seconds = max(eval_seconds, time.time() - eval_start)
             log("validation", step=step, exact_match=f"{val_em:.4f}", seconds=f"{eval_seconds:.1f}")
     train_seconds = time.time() - train_start
+    reading_head.detach()
     log("training done", steps=step, seconds=f"{train_seconds:.1f}")
     return finish(args, model, tokenizer, encoder, val_pool, test_pool, val_requests, test_requests,
                   {"steps": step, "train_seconds": round(train_seconds, 1),
@@ -190,9 +209,9 @@ def finish(args, model, tokenizer, encoder, val_pool, test_pool, val_requests, t
         "test_exact_match_by_pages": {k: round(v, 4) for k, v in accuracy_by_pages(test_answers, test_requests).items()},
         "test_requests": len(test_requests),
     }
-    if args.stale_requests:
+    if args.stale_requests:  # in float32, so that `fresh` (a chunked prefill) matches full prefill closely
         stale_requests = test_requests[: args.stale_requests]
-        metrics["stale_kv"] = stale_kv_report(shipped, encoder, stale_requests, test_pool)
+        metrics["stale_kv"] = stale_kv_report(shipped.float(), encoder, stale_requests, test_pool)
     metrics["total_seconds"] = round(time.time() - START_TIME, 1)
     with open(os.path.join(args.out, "metrics.json"), "w") as file:
         json.dump(metrics, file, indent=2)

@@ -45,11 +45,12 @@ def tiny_folder(tmp_path_factory, tokenizer):
     return write_model_folder(model, tokenizer, tmp_path_factory.mktemp("tiny_quality"), dtype=torch.float32)
 
 
-def read_page(pixels: np.ndarray) -> dict[str, str]:
-    """Recover {colour: code} from a page's pixels [64, 64, 3] alone: match each inked cell
-    against every glyph and colour, then join coloured cells left to right within each row."""
-    cells: dict[str, list[tuple[int, int, str]]] = {}
+def read_cells(pixels: np.ndarray) -> dict[tuple[int, int], tuple[str, str]]:
+    """Recover {(row, column): (char, colour)} of the inked cells of a page's pixels [64, 64, 3]
+    alone, by matching each cell against every glyph and every colour (grey for distractors)."""
     masks = {char: np.asarray(glyph_mask(char), dtype=bool) for char in GLYPH_CHARS}
+    palette = {**COLOURS, "grey": generator.DISTRACTOR_RGB}
+    found = {}
     for row in range(GRID_SIZE):
         for column in range(GRID_SIZE):
             cell = pixels[row * CELL_SIZE : (row + 1) * CELL_SIZE, column * CELL_SIZE : (column + 1) * CELL_SIZE]
@@ -58,11 +59,19 @@ def read_page(pixels: np.ndarray) -> dict[str, str]:
                 continue
             inner = ink[1 : 1 + GLYPH_HEIGHT, 1 : 1 + GLYPH_WIDTH]
             chars = [char for char, mask in masks.items() if np.array_equal(mask, inner)]
-            colours = [name for name, rgb in COLOURS.items() if (cell[ink] == rgb).all()]
-            assert len(chars) == 1 and ink.sum() == inner.sum()
-            for colour in colours:
-                cells.setdefault(colour, []).append((row, column, chars[0]))
-    return {colour: "".join(char for _, _, char in sorted(found)) for colour, found in cells.items()}
+            colours = [name for name, rgb in palette.items() if (cell[ink] == rgb).all()]
+            assert len(chars) == 1 and len(colours) == 1 and ink.sum() == inner.sum()
+            found[(row, column)] = (chars[0], colours[0])
+    return found
+
+
+def read_page(pixels: np.ndarray) -> dict[str, str]:
+    """{colour: code} read off the pixels: coloured cells joined left to right, top to bottom."""
+    codes: dict[str, str] = {}
+    for (_, _), (char, colour) in sorted(read_cells(pixels).items()):
+        if colour != "grey":
+            codes[colour] = codes.get(colour, "") + char
+    return codes
 
 
 def test_glyphs_are_distinct():
@@ -93,6 +102,19 @@ def test_rendered_page_shows_every_code_in_its_colour(pools, tmp_path):
     for page, pixels in zip(pool.pages, pool.pixels):
         assert read_page(pixels) == {field.colour: field.code for field in page.fields}
     pool.pages[0].render().resize((256, 256), 0).save(tmp_path / "page.png")  # for a human look
+
+
+def test_reading_labels_match_the_pixels(pools):
+    from quality.reading_loss import COLOUR_CLASSES, cell_labels
+
+    pool = pools["val"]
+    labels = cell_labels(pool.pages)
+    for page_labels, pixels in zip(labels, pool.pixels):
+        cells = read_cells(pixels)
+        for cell in range(GRID_SIZE * GRID_SIZE):
+            char, colour = cells.get(divmod(cell, GRID_SIZE), (None, "none"))
+            assert page_labels[0, cell] == (0 if char is None else 1 + generator.CODE_ALPHABET.index(char))
+            assert COLOUR_CLASSES[page_labels[1, cell]] == colour
 
 
 def test_question_answer_and_distractors(pools):
