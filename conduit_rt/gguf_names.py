@@ -32,6 +32,11 @@ CLIP_ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ]  # "clip"
 TYPE_MODEL = GGUFType.MODEL  # "model"
 TYPE_MMPROJ = GGUFType.MMPROJ  # "mmproj"
 PROJECTOR_MLP = gguf.VISION_PROJECTOR_TYPE_NAMES[gguf.VISION_PROJECTOR_TYPE.MLP]  # "mlp" (LLaVA-1.5)
+QWEN2VL_ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2VL]  # "qwen2vl": Qwen2 decoder with M-RoPE
+PROJECTOR_QWEN2VL = gguf.VisionProjectorType.QWEN2VL  # "qwen2vl_merger"
+PROJECTOR_QWEN25VL = gguf.VisionProjectorType.QWEN25VL  # "qwen2.5vl_merger"
+QWEN_PROJECTORS = (PROJECTOR_QWEN2VL, PROJECTOR_QWEN25VL)
+PATCH_EMBD_FRAME_1 = "v.patch_embd.weight.1"  # second temporal slice of Qwen's Conv3D patch embedding
 
 
 class ConduitKeys:
@@ -46,6 +51,8 @@ class ConduitKeys:
     PROJECTOR_HIDDEN_ACT = "conduit.projector.hidden_act"  # str: e.g. "gelu"
     PREPROCESSOR_CONFIG = "clip.vision.preprocessor_config"  # str: preprocessor_config.json
     PROCESSOR_CONFIG = "conduit.vision.processor_config"  # str: processor_config.json ("{}" if none)
+    FULLATT_BLOCKS = "conduit.vision.fullatt_block_indexes"  # int32[]: Qwen2.5-VL full-attention blocks
+    VISION_ROPE_THETA = "conduit.vision.rope_theta"  # float32: base of the vision tower's 2-D RoPE
 
 
 def llm_key(template: str, arch: str = LLAMA_ARCH) -> str:
@@ -178,6 +185,72 @@ def clip_mlp_mmproj_tensor_shapes(
     return shapes
 
 
+def qwen2_attention_bias_shapes(*, num_layers: int, q_rows: int, kv_rows: int) -> dict[str, tuple[int, ...]]:
+    """``blk.N.attn_{q,k,v}.bias`` of a Qwen2 decoder (its o_proj has no bias)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in range(num_layers):
+        shapes[tensor_name(MODEL_TENSOR.ATTN_Q, "bias", layer)] = (q_rows,)
+        shapes[tensor_name(MODEL_TENSOR.ATTN_K, "bias", layer)] = (kv_rows,)
+        shapes[tensor_name(MODEL_TENSOR.ATTN_V, "bias", layer)] = (kv_rows,)
+    return shapes
+
+
+def qwen_vision_mmproj_tensor_shapes(
+    *, hidden_size: int, intermediate_size: int, num_layers: int, num_channels: int, patch_size: int,
+    merge_size: int, projection_dim: int, gated_mlp: bool, norm_bias: bool,
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen2-VL / Qwen2.5-VL ``mmproj.gguf`` (projectors "qwen2vl_merger", "qwen2.5vl_merger").
+
+    =================================  =====================  ==========================================
+    GGUF name                          shape                  Hugging Face ``visual.*``
+    =================================  =====================  ==========================================
+    v.patch_embd.weight                [E, C, p, p]           patch_embed.proj.weight[:, :, 0] (Conv3D)
+    v.patch_embd.weight.1              [E, C, p, p]           patch_embed.proj.weight[:, :, 1]
+    v.blk.N.ln1.weight (+.bias: 2)     [E]                    blocks.N.norm1
+    v.blk.N.attn_q/k/v.{weight,bias}   [E, E] / [E]           blocks.N.attn.qkv, split in thirds
+    v.blk.N.attn_out.{weight,bias}     [E, E] / [E]           blocks.N.attn.proj
+    v.blk.N.ln2.weight (+.bias: 2)     [E]                    blocks.N.norm2
+    v.blk.N.ffn_up.{weight,bias}       [I, E] / [I]           mlp.fc1 (2) / mlp.up_proj (2.5)
+    v.blk.N.ffn_gate.{weight,bias}     [I, E] / [I]           mlp.gate_proj (2.5 only)
+    v.blk.N.ffn_down.{weight,bias}     [E, I] / [E]           mlp.fc2 (2) / mlp.down_proj (2.5)
+    v.post_ln.weight (+.bias: 2)       [E]                    merger.ln_q
+    mm.0.{weight,bias}                 [E m^2, E m^2]         merger.mlp.0
+    mm.2.{weight,bias}                 [proj, E m^2]          merger.mlp.2
+    =================================  =====================  ==========================================
+
+    Qwen2-VL uses LayerNorm (weight and bias) and a GELU MLP; Qwen2.5-VL RMSNorm (weight only) and
+    a gated SiLU MLP (``gated_mlp``). The Conv3D patch embedding is stored as its two temporal
+    slices, as llama.cpp does (temporal_patch_size 2).
+    """
+    merged = hidden_size * merge_size**2
+    patch = (hidden_size, num_channels, patch_size, patch_size)
+    shapes: dict[str, tuple[int, ...]] = {tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH): patch, PATCH_EMBD_FRAME_1: patch}
+    norm_suffixes = ("weight", "bias") if norm_bias else ("weight",)
+    linear = {
+        MODEL_TENSOR.V_ENC_ATTN_Q: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_K: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_V: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_O: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_FFN_UP: (intermediate_size, hidden_size),
+        MODEL_TENSOR.V_ENC_FFN_DOWN: (hidden_size, intermediate_size),
+    }
+    if gated_mlp:
+        linear[MODEL_TENSOR.V_ENC_FFN_GATE] = (intermediate_size, hidden_size)
+    for layer in range(num_layers):
+        for kind in (MODEL_TENSOR.V_ENC_INPUT_NORM, MODEL_TENSOR.V_ENC_POST_ATTN_NORM):
+            for suffix in norm_suffixes:
+                shapes[tensor_name(kind, suffix, layer)] = (hidden_size,)
+        for kind, (rows, cols) in linear.items():
+            shapes[tensor_name(kind, "weight", layer)] = (rows, cols)
+            shapes[tensor_name(kind, "bias", layer)] = (rows,)
+    for suffix in norm_suffixes:
+        shapes[tensor_name(MODEL_TENSOR.V_POST_NORM, suffix)] = (hidden_size,)
+    for index, rows in ((0, merged), (2, projection_dim)):
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, "weight", index)] = (rows, merged)
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, "bias", index)] = (rows,)
+    return shapes
+
+
 _ATTN_Q = TENSOR_NAMES[MODEL_TENSOR.ATTN_Q].split(".")[-1]  # "attn_q"
 _ATTN_K = TENSOR_NAMES[MODEL_TENSOR.ATTN_K].split(".")[-1]  # "attn_k"
 
@@ -215,7 +288,12 @@ __all__ = [
     "LLAMA_ARCH",
     "MMPROJ_FILE_NAME",
     "MODEL_TENSOR",
+    "PATCH_EMBD_FRAME_1",
     "PROJECTOR_MLP",
+    "PROJECTOR_QWEN2VL",
+    "PROJECTOR_QWEN25VL",
+    "QWEN2VL_ARCH",
+    "QWEN_PROJECTORS",
     "TEXT_FILE_NAME",
     "TYPE_MMPROJ",
     "TYPE_MODEL",
@@ -228,6 +306,8 @@ __all__ = [
     "llama_rope_unpermute",
     "llama_text_tensor_shapes",
     "llm_key",
+    "qwen2_attention_bias_shapes",
+    "qwen_vision_mmproj_tensor_shapes",
     "rope_permute_heads",
     "tensor_name",
 ]

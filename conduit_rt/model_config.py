@@ -13,14 +13,19 @@ from typing import Any
 from conduit_rt import gguf_names as names
 
 SUPPORTED_ROPE_SCALING = (None, "linear")
+TEXT_ARCHITECTURES = (names.LLAMA_ARCH, names.QWEN2VL_ARCH)
 VISION_FEATURE_SELECT = ("default", "full")
 
 
 @dataclass(frozen=True, slots=True)
 class TextModelConfig:
-    """``model.gguf``: a Llama decoder and its tokenizer (``tokenizer_json`` is the whole tokenizer.json)."""
+    """``model.gguf``: a Llama decoder and its tokenizer (``tokenizer_json`` is the whole tokenizer.json).
 
-    architecture: str  # "llama"
+    ``architecture`` "qwen2vl" is a Qwen2 decoder (a Llama with q/k/v biases) with M-RoPE: its
+    ``rope_sections`` (t, h, w) split the rotary frequencies among the three position rows.
+    """
+
+    architecture: str  # "llama" or "qwen2vl"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,8 +51,15 @@ class TextModelConfig:
     tokenizer_json: str  # tokenizer.huggingface.json: the whole tokenizer.json text
     source_id: str  # conduit.source_id; "" when the file was not written by conduit-rt
     source_config: dict[str, Any] = field(default_factory=dict)  # the source's config.json
+    rope_sections: tuple[int, ...] = ()  # M-RoPE (t, h, w) frequency counts ("qwen2vl" only)
 
     def __post_init__(self) -> None:
+        _require(self.architecture in TEXT_ARCHITECTURES,
+                 f"text architecture {self.architecture!r} is not one of {TEXT_ARCHITECTURES}")
+        is_qwen = self.architecture == names.QWEN2VL_ARCH
+        _require(not is_qwen or (len(self.rope_sections) == 3 and sum(self.rope_sections) == self.head_dim // 2),
+                 f"M-RoPE sections {self.rope_sections} must be 3 counts summing to head_dim / 2 = {self.head_dim // 2}")
+        _require(is_qwen or not self.rope_sections, "rope_sections are for the qwen2vl architecture only")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
@@ -71,14 +83,22 @@ class TextModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     def tensor_shapes(self, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:
-        """GGUF name -> HF-convention shape of every tensor this config implies (see ``gguf_names``)."""
+        """GGUF name -> HF-convention shape of every tensor this config implies (see ``gguf_names``).
+
+        ``attention_bias`` adds Llama's q/k/v/o biases; a "qwen2vl" decoder always has q/k/v biases.
+        """
         shapes = names.llama_text_tensor_shapes(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_layers=self.num_hidden_layers, num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
             tie_word_embeddings=self.tie_word_embeddings,
         )
-        if attention_bias:
+        if self.architecture == names.QWEN2VL_ARCH:
+            shapes |= names.qwen2_attention_bias_shapes(
+                num_layers=self.num_hidden_layers, q_rows=self.num_attention_heads * self.head_dim,
+                kv_rows=self.num_key_value_heads * self.head_dim,
+            )
+        elif attention_bias:
             shapes |= names.llama_attention_bias_shapes(
                 num_layers=self.num_hidden_layers, hidden_size=self.hidden_size,
                 q_rows=self.num_attention_heads * self.head_dim, kv_rows=self.num_key_value_heads * self.head_dim,
@@ -160,6 +180,80 @@ class VisionModelConfig:
             num_positions=self.num_positions, projection_dim=self.projection_dim,
         )
 
+
+@dataclass(frozen=True, slots=True)
+class QwenVisionConfig:
+    """``mmproj.gguf`` of Qwen2-VL ("qwen2vl_merger") or Qwen2.5-VL ("qwen2.5vl_merger"), plus preprocessing.
+
+    The tower embeds 14-px patches of 2 frames (Conv3D), runs ``num_hidden_layers`` pre-norm blocks
+    with 2-D RoPE (bidirectional attention within each image; Qwen2.5-VL restricts all blocks but
+    ``fullatt_block_indexes`` to ``window_size``-pixel windows), then the merger concatenates each
+    ``spatial_merge_size``^2 block of patches and projects it to the text width.
+    """
+
+    projector_type: str  # "qwen2vl_merger" or "qwen2.5vl_merger"
+    patch_size: int
+    temporal_patch_size: int  # 2 (the Conv3D is stored as two Conv2D slices)
+    spatial_merge_size: int
+    num_channels: int
+    hidden_size: int  # E
+    intermediate_size: int  # I
+    num_hidden_layers: int
+    num_attention_heads: int
+    layer_norm_eps: float
+    hidden_act: str  # "quick_gelu" (Qwen2-VL) or "silu" (Qwen2.5-VL, gated)
+    projection_dim: int  # merger output == text hidden_size
+    window_size: int  # pixels per window side (Qwen2.5-VL); 0 = full attention everywhere
+    fullatt_block_indexes: tuple[int, ...]  # blocks with full attention (Qwen2.5-VL)
+    rope_theta: float  # base of the 2-D vision RoPE
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    preprocessor_config: dict[str, Any]
+    processor_config: dict[str, Any]
+    source_id: str
+    source_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "spatial_merge_size", "num_channels", "hidden_size", "intermediate_size",
+                     "num_hidden_layers", "num_attention_heads", "projection_dim"):
+            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _require(self.projector_type in names.QWEN_PROJECTORS, f"projector type {self.projector_type!r} is not a Qwen merger")
+        _require(self.temporal_patch_size == 2, f"temporal_patch_size {self.temporal_patch_size} is not supported (2 only)")
+        _require(self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 4 == 0,
+                 f"vision head_dim {self.hidden_size}/{self.num_attention_heads} must be a multiple of 4 (2-D RoPE)")
+        _require(self.layer_norm_eps > 0 and self.rope_theta > 0, "layer_norm_eps and rope_theta must be positive")
+        _require(all(0 <= index < self.num_hidden_layers for index in self.fullatt_block_indexes),
+                 f"fullatt_block_indexes {self.fullatt_block_indexes} are outside the {self.num_hidden_layers} blocks")
+        _require(not self.uses_windows or self.window_size >= self.merge_factor,
+                 f"window_size {self.window_size} is smaller than patch_size * spatial_merge_size")
+        _require(len(self.image_mean) == self.num_channels and len(self.image_std) == self.num_channels,
+                 f"image_mean/image_std need {self.num_channels} values")
+
+    @property
+    def is_qwen25(self) -> bool:
+        """Qwen2.5-VL: RMSNorm, gated SiLU MLP, window attention."""
+        return self.projector_type == names.PROJECTOR_QWEN25VL
+
+    @property
+    def uses_windows(self) -> bool:
+        return self.is_qwen25 and self.window_size > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def merge_factor(self) -> int:
+        """Pixels per merged token side: patch_size * spatial_merge_size."""
+        return self.patch_size * self.spatial_merge_size
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """GGUF name -> HF-convention shape of every tensor (``gguf_names.qwen_vision_mmproj_tensor_shapes``)."""
+        return names.qwen_vision_mmproj_tensor_shapes(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_layers=self.num_hidden_layers,
+            num_channels=self.num_channels, patch_size=self.patch_size, merge_size=self.spatial_merge_size,
+            projection_dim=self.projection_dim, gated_mlp=self.is_qwen25, norm_bias=not self.is_qwen25,
+        )
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

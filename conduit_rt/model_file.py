@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from conduit_rt import gguf_names as names
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.gguf_keys import KeyReader
-from conduit_rt.model_config import TextModelConfig, VisionModelConfig
+from conduit_rt.model_config import TEXT_ARCHITECTURES, QwenVisionConfig, TextModelConfig, VisionModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,9 @@ class TextModelFile(GGUFModelFile):
 
     Tensor names: ``gguf_names.llama_text_tensor_shapes`` (with the HF module of each);
     ``output.weight`` is absent when ``config.tie_word_embeddings``, and ``blk.N.attn_{q,k,v,output}.bias``
-    are present when ``attention_bias``. ``attn_q``/``attn_k`` come out in HF (rotate-half) row order.
+    are present when ``attention_bias`` (a "qwen2vl" decoder always has ``attn_{q,k,v}.bias``, never
+    ``attn_output.bias``). ``attn_q``/``attn_k`` come out in HF (rotate-half) row order: llama.cpp
+    permutes them for "llama" only, which is undone here.
     """
 
     def __init__(self, path: Path, reader: GGUFReader, config: TextModelConfig) -> None:
@@ -106,7 +108,7 @@ class TextModelFile(GGUFModelFile):
     def _decode(self, tensor: ReaderTensor) -> torch.Tensor:
         # llama.cpp permutes attn_q/attn_k rows for interleaved RoPE; hand out HF's rotate-half order.
         decoded = super()._decode(tensor)
-        if names.is_rope_permuted(tensor.name):
+        if self.config.architecture == names.LLAMA_ARCH and names.is_rope_permuted(tensor.name):
             heads = names.rope_permute_heads(tensor.name, self.config.num_attention_heads, self.config.num_key_value_heads)
             decoded = names.llama_rope_unpermute(decoded, heads)
         return decoded
@@ -115,10 +117,11 @@ class TextModelFile(GGUFModelFile):
 class VisionModelFile(GGUFModelFile):
     """``mmproj.gguf``: vision tower + projector. ``config`` holds the hyperparameters and preprocessing.
 
-    Tensor names: ``gguf_names.clip_mlp_mmproj_tensor_shapes`` (with the HF module of each).
+    Tensor names: ``gguf_names.clip_mlp_mmproj_tensor_shapes`` (projector "mlp", a ``VisionModelConfig``)
+    or ``gguf_names.qwen_vision_mmproj_tensor_shapes`` (Qwen mergers, a ``QwenVisionConfig``).
     """
 
-    def __init__(self, path: Path, reader: GGUFReader, config: VisionModelConfig) -> None:
+    def __init__(self, path: Path, reader: GGUFReader, config: VisionModelConfig | QwenVisionConfig) -> None:
         super().__init__(path, reader)
         self.config = config
 
@@ -132,14 +135,14 @@ def load_text_model_file(path: str | Path) -> TextModelFile:
     if kind != names.TYPE_MODEL:
         raise ModelFormatError(f"{path}: general.type is {kind!r}, not a text model (an mmproj file goes second)")
     arch = keys.str(Keys.General.ARCHITECTURE)
-    if arch != names.LLAMA_ARCH:
+    if arch not in TEXT_ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"{path}: text architecture {arch!r} is not supported; supported: {names.LLAMA_ARCH!r}"
+            f"{path}: text architecture {arch!r} is not supported; supported: {', '.join(TEXT_ARCHITECTURES)}"
         )
-    config = _build_config(path, lambda: read_text_config(keys, reader))
+    config = _build_config(path, lambda: read_text_config(keys, reader, arch))
     attention_bias = _ATTN_Q_BIAS in _names(reader)
     validate_tensors(path, reader, config.tensor_shapes(attention_bias=attention_bias))
-    logger.info("loaded %s: llama, %d layers, hidden %d", path, config.num_hidden_layers, config.hidden_size)
+    logger.info("loaded %s: %s, %d layers, hidden %d", path, arch, config.num_hidden_layers, config.hidden_size)
     return TextModelFile(path, reader, config)
 
 
@@ -154,11 +157,13 @@ def load_mmproj_file(path: str | Path, text: TextModelFile | None = None) -> Vis
     if not keys.bool(Keys.Clip.HAS_VISION_ENCODER, default=True):
         raise ModelFormatError(f"{path}: {Keys.Clip.HAS_VISION_ENCODER} is false; this mmproj has no vision encoder")
     projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
-    if projector != names.PROJECTOR_MLP:
+    supported = (names.PROJECTOR_MLP, *names.QWEN_PROJECTORS)
+    if projector not in supported:
         raise UnsupportedArchitectureError(
-            f"{path}: projector type {projector!r} is not supported; supported: {names.PROJECTOR_MLP!r}"
+            f"{path}: projector type {projector!r} is not supported; supported: {', '.join(supported)}"
         )
-    config = _build_config(path, lambda: read_vision_config(keys))
+    read = read_vision_config if projector == names.PROJECTOR_MLP else read_qwen_vision_config
+    config = _build_config(path, lambda: read(keys))
     validate_tensors(path, reader, config.tensor_shapes())
     if text is not None:
         check_pair(text, path, config)
@@ -173,7 +178,7 @@ def load_model_dir(dirpath: str | Path) -> tuple[TextModelFile, VisionModelFile]
     return text, load_mmproj_file(dirpath / names.MMPROJ_FILE_NAME, text)
 
 
-def check_pair(text: TextModelFile, mmproj_path: Path, vision: VisionModelConfig) -> None:
+def check_pair(text: TextModelFile, mmproj_path: Path, vision: VisionModelConfig | QwenVisionConfig) -> None:
     """The mmproj must come from the same checkpoint as the text model and project to its width."""
     text_id, vision_id = text.config.source_id, vision.source_id
     if text_id and vision_id and text_id != vision_id:
@@ -232,9 +237,8 @@ def validate_tensors(path: Path, reader: GGUFReader, expected: dict[str, tuple[i
         raise ModelFormatError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])} for this architecture")
 
 
-def read_text_config(keys: KeyReader, reader: GGUFReader) -> TextModelConfig:
-    """The text hyperparameters and tokenizer from a ``model.gguf``'s keys."""
-    arch = names.LLAMA_ARCH
+def read_text_config(keys: KeyReader, reader: GGUFReader, arch: str = names.LLAMA_ARCH) -> TextModelConfig:
+    """The text hyperparameters and tokenizer from a ``model.gguf``'s keys (``{arch}.*``)."""
 
     def key(template: str) -> str:
         return names.llm_key(template, arch)
@@ -273,7 +277,16 @@ def read_text_config(keys: KeyReader, reader: GGUFReader) -> TextModelConfig:
         tokenizer_json=keys.str(Keys.Tokenizer.HF_JSON),
         source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
         source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
+        rope_sections=_rope_sections(keys, key(Keys.Rope.DIMENSION_SECTIONS)) if arch == names.QWEN2VL_ARCH else (),
     )
+
+
+def _rope_sections(keys: KeyReader, key: str) -> tuple[int, ...]:
+    """M-RoPE (t, h, w) from ``{arch}.rope.dimension_sections`` (llama.cpp pads it with zeros to 4)."""
+    sections = keys.int_list(key)
+    if len(sections) < 3 or any(sections[3:]):
+        raise ValueError(f"key {key} = {sections}: expected (t, h, w) sections followed by zeros")
+    return tuple(sections[:3])
 
 
 def read_vision_config(keys: KeyReader) -> VisionModelConfig:
@@ -306,6 +319,50 @@ def read_vision_config(keys: KeyReader) -> VisionModelConfig:
         source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
         source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
     )
+
+
+def read_qwen_vision_config(keys: KeyReader) -> QwenVisionConfig:
+    """The Qwen2-VL / Qwen2.5-VL tower, merger and preprocessing from an ``mmproj.gguf``'s keys."""
+    vision = Keys.ClipVision
+    projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
+    preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
+    is_qwen25 = projector == names.PROJECTOR_QWEN25VL
+    return QwenVisionConfig(
+        projector_type=projector,
+        patch_size=keys.int(vision.PATCH_SIZE),
+        temporal_patch_size=2,
+        spatial_merge_size=keys.int(vision.SPATIAL_MERGE_SIZE, default=2),
+        num_channels=3,
+        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
+        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
+        num_hidden_layers=keys.int(vision.BLOCK_COUNT),
+        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
+        layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
+        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default="silu" if is_qwen25 else "quick_gelu"),
+        projection_dim=keys.int(vision.PROJECTION_DIM),
+        window_size=keys.int(vision.WINDOW_SIZE, default=112 if is_qwen25 else 0),
+        fullatt_block_indexes=_full_attention_blocks(keys) if is_qwen25 else (),
+        rope_theta=keys.float(names.ConduitKeys.VISION_ROPE_THETA, default=10000.0),
+        image_mean=tuple(float(v) for v in preprocessor.get("image_mean", keys.float_list(vision.IMAGE_MEAN))),
+        image_std=tuple(float(v) for v in preprocessor.get("image_std", keys.float_list(vision.IMAGE_STD))),
+        preprocessor_config=preprocessor,
+        processor_config=keys.json(names.ConduitKeys.PROCESSOR_CONFIG, default={}),
+        source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
+        source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
+    )
+
+
+def _full_attention_blocks(keys: KeyReader) -> tuple[int, ...]:
+    """``conduit.vision.fullatt_block_indexes``, else llama.cpp's ``clip.vision.n_wa_pattern`` n: blocks
+    n-1, 2n-1, ... attend to the whole image, the others within windows."""
+    listed = keys.int_list(names.ConduitKeys.FULLATT_BLOCKS, default=None)
+    if listed is not None:
+        return tuple(listed)
+    pattern = keys.int(Keys.ClipVision.N_WA_PATTERN)
+    blocks = keys.int(Keys.ClipVision.BLOCK_COUNT)
+    if pattern < 1:
+        raise ValueError(f"key {Keys.ClipVision.N_WA_PATTERN} must be positive, got {pattern}")
+    return tuple(range(pattern - 1, blocks, pattern))
 
 
 def _build_config(path: Path, build):

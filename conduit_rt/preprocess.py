@@ -200,16 +200,139 @@ def preprocess_clip(rgb: np.ndarray, params: ClipPreprocessParams) -> np.ndarray
     pixels = np.ascontiguousarray(rgb.transpose(2, 0, 1))
     if params.do_center_crop:
         pixels = _center_crop(pixels, params.crop_height, params.crop_width)
+    return _rescale_and_normalize(pixels, params)
+
+
+def _rescale_and_normalize(chw: np.ndarray, params: Any) -> np.ndarray:
+    """uint8 [C, H, W] -> float32 [C, H, W]: rescale (float64 product, then float32) and normalize in float32."""
     if params.do_rescale:
         # float64 product then float32, the order HF uses (it changes the last bit)
-        pixels = (pixels.astype(np.float64) * params.rescale_factor).astype(np.float32)
+        pixels = (chw.astype(np.float64) * params.rescale_factor).astype(np.float32)
     else:
-        pixels = pixels.astype(np.float32)
+        pixels = chw.astype(np.float32)
     if params.do_normalize:
         mean = np.asarray(params.image_mean, dtype=np.float32)[:, None, None]
         std = np.asarray(params.image_std, dtype=np.float32)[:, None, None]
         pixels = (pixels - mean) / std
     return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVLPreprocessParams:
+    """Preprocessing of Qwen2-VL / Qwen2.5-VL: dynamic resolution, flattened patches.
+
+    As Hugging Face's ``Qwen2VLImageProcessorPil``: ``smart_resize`` to multiples of
+    ``patch_size * merge_size`` with min_pixels <= H * W <= max_pixels (aspect ratio kept as closely
+    as possible), PIL resize, rescale and normalize as CLIP, then patches in merge-block order with
+    the frame repeated ``temporal_patch_size`` times.
+    """
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = Image.Resampling.BICUBIC.value
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    kind: str = "qwen2vl"
+
+    def __post_init__(self) -> None:
+        if min(self.patch_size, self.merge_size, self.temporal_patch_size, self.min_pixels) < 1:
+            raise ModelFormatError(f"invalid Qwen2-VL preprocessing parameters: {self}")
+        if self.max_pixels < self.min_pixels:
+            raise ModelFormatError(f"max_pixels {self.max_pixels} < min_pixels {self.min_pixels}")
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> QwenVLPreprocessParams:
+        """From a ``preprocessor_config.json`` of a Qwen2VLImageProcessor; ``min_pixels``/``max_pixels``
+        override ``size`` (``shortest_edge``/``longest_edge``), as the processor's constructor does."""
+        size = config.get("size") or {}
+        defaults = cls()
+        return cls(
+            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels),
+            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels),
+            patch_size=int(config.get("patch_size", defaults.patch_size)),
+            merge_size=int(config.get("merge_size", defaults.merge_size)),
+            temporal_patch_size=int(config.get("temporal_patch_size", defaults.temporal_patch_size)),
+            image_mean=tuple(float(x) for x in config.get("image_mean", OPENAI_CLIP_MEAN)),
+            image_std=tuple(float(x) for x in config.get("image_std", OPENAI_CLIP_STD)),
+            rescale_factor=float(config.get("rescale_factor", 1 / 255)),
+            resample=int(config.get("resample", Image.Resampling.BICUBIC.value)),
+            do_resize=bool(config.get("do_resize", True)),
+            do_rescale=bool(config.get("do_rescale", True)),
+            do_normalize=bool(config.get("do_normalize", True)),
+        )
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: patch_size * merge_size (28)."""
+        return self.patch_size * self.merge_size
+
+    def as_dict(self) -> dict:
+        """Plain JSON-able dict of every field (what ``image_key`` hashes)."""
+        return dataclasses.asdict(self)
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) the image is resized to; raises ``RequestError`` for unusable sizes."""
+        if not self.do_resize:
+            if height % self.factor or width % self.factor:
+                raise RequestError(f"with do_resize off, image sides must be multiples of {self.factor}, got {height}x{width}")
+            return height, width
+        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) patch grid of an image of ``height`` x ``width`` pixels (before merging)."""
+        resized_height, resized_width = self.resized_size(height, width)
+        return 1, resized_height // self.patch_size, resized_width // self.patch_size
+
+    def preprocess(self, image: ImageInput | np.ndarray) -> np.ndarray:
+        """Flattened patches, shape: [t * h * w, 3 * temporal_patch_size * patch_size^2], dtype: float32.
+
+        Rows are patches in merge-block order (each ``merge_size`` x ``merge_size`` block of the
+        grid consecutive); a row is (channel, frame, y, x) in C order.
+        """
+        rgb = to_rgb_array(image)
+        height, width = self.resized_size(rgb.shape[0], rgb.shape[1])
+        if self.do_resize:
+            rgb = np.asarray(Image.fromarray(rgb).resize((width, height), resample=self.resample), dtype=np.uint8)
+        pixels = _rescale_and_normalize(np.ascontiguousarray(rgb.transpose(2, 0, 1)), self)
+        return self._patchify(pixels)
+
+    def _patchify(self, chw: np.ndarray) -> np.ndarray:
+        channels, height, width = chw.shape
+        p, m = self.patch_size, self.merge_size
+        grid_h, grid_w = height // p, width // p
+        blocks = chw.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+        blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+        frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], self.temporal_patch_size, p, p))
+        return np.ascontiguousarray(frames.reshape(grid_h * grid_w, channels * self.temporal_patch_size * p * p))
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize target: sides multiples of ``factor``, area within [min_pixels, max_pixels].
+
+    Each side is rounded to the nearest multiple of ``factor``; when the area then falls outside the
+    range, both sides are scaled by the same ratio (floored when too large, ceiled when too small).
+    Raises ``RequestError`` for an aspect ratio above 200, which the Qwen processor refuses.
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise RequestError(f"image aspect ratio must be at most 200, got {height}x{width}")
+    resized_height = round(height / factor) * factor
+    resized_width = round(width / factor) * factor
+    if resized_height * resized_width > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        resized_height = max(factor, math.floor(height / beta / factor) * factor)
+        resized_width = max(factor, math.floor(width / beta / factor) * factor)
+    elif resized_height * resized_width < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        resized_height = math.ceil(height * beta / factor) * factor
+        resized_width = math.ceil(width * beta / factor) * factor
+    return resized_height, resized_width
 
 
 def preprocess_params_from_hf_config(config: dict) -> ClipPreprocessParams:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Protocol
 
 from conduit_rt.errors import UnsupportedArchitectureError
-from convert import llava
+from convert import llava, qwen2vl
 from convert.gguf_output import ConvertedFiles, OutputDtype
 from convert.source import SourceCheckpoint
 
@@ -27,6 +27,7 @@ class ArchitectureConverter(Protocol):
 
 ARCHITECTURES: dict[str, ArchitectureConverter] = {
     llava.HF_ARCHITECTURE: llava,
+    **dict.fromkeys(qwen2vl.HF_ARCHITECTURES, qwen2vl),  # one module converts both Qwen generations
 }
 
 
