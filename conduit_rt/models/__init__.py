@@ -2,7 +2,7 @@
 
 An architecture is one module with a ``load(text_path, mmproj_path, device, dtype)`` function that
 returns a ``base.VisionLanguageModel``, plus one entry in ``ARCHITECTURES`` keyed by the text file's
-``general.architecture`` (LLaVA-1.5's decoder is a plain "llama"; Qwen2-VL's would be "qwen2vl").
+``general.architecture`` (LLaVA-1.5's decoder is a plain "llama"; Qwen2-VL's is "qwen2vl").
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, Prepared
 # text model general.architecture -> module implementing it
 ARCHITECTURES: dict[str, str] = {
     "llama": "conduit_rt.models.llava",
+    "qwen2vl": "conduit_rt.models.qwen2vl",  # Qwen2-VL and Qwen2.5-VL (the mmproj's projector tells them apart)
 }
 
 

@@ -1,0 +1,268 @@
+"""Qwen2-VL and Qwen2.5-VL: dynamic-resolution vision tower + merger -> Qwen2 decoder with M-RoPE.
+
+``load(text_path, mmproj_path, device, dtype)`` reads ``model.gguf`` (architecture "qwen2vl") and
+``mmproj.gguf`` (projector "qwen2vl_merger" or "qwen2.5vl_merger") through ``conduit_rt.model_file``;
+modules are built on the meta device and take the file's tensors with ``load_state_dict(assign=True)``.
+
+The decoder is ``llama.LlamaDecoder`` with q/k/v biases, no o_proj bias and M-RoPE: each token has
+three RoPE positions (t, h, w) and the rotary frequencies are split in ``rope_sections`` among them.
+The native arena rotates K with the same sections (``KVArena.set_rope(..., "mrope")``). Positions are
+transformers' ``get_rope_index``: text tokens count up on all three rows; an image's tokens sit on
+their merged grid (t, row, column) offset by the position where the image starts, and the text after
+it resumes at that start + max(rows, columns). Attention masks stay causal by token index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from conduit_rt.arena import KVArena
+from conduit_rt.chat import Prompt, Segment, TextRun
+from conduit_rt.errors import ModelFormatError
+from conduit_rt.model_config import QwenVisionConfig, TextModelConfig
+from conduit_rt.model_file import GGUFModelFile, load_mmproj_file, load_text_model_file
+
+from . import llama, qwen2vl_vision
+from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, PreparedImage
+from .rope import RopeConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def mrope_positions(
+    segments: Sequence[Segment], grids: Sequence[tuple[int, int, int]], merge_size: int
+) -> torch.Tensor:
+    """M-RoPE positions int32 [3, n] of a prompt's segments, as transformers' ``get_rope_index``.
+
+    grids: the (t, h, w) patch grid of each image (indexed by ``ImageSlot.image_index``).
+    """
+    rows, start = [], 0
+    for segment in segments:
+        if isinstance(segment, TextRun):
+            rows.append((torch.arange(segment.n_tokens) + start).expand(3, -1))
+            start += segment.n_tokens
+            continue
+        t, h, w = grids[segment.image_index]
+        h, w = h // merge_size, w // merge_size
+        if t * h * w != segment.n_tokens:
+            raise ValueError(f"image slot of {segment.n_tokens} tokens does not fit the merged grid {t}x{h}x{w}")
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        rows.append(grid.reshape(3, -1) + start)
+        start += max(h, w)
+    if not rows:
+        return torch.zeros(3, 0, dtype=torch.int32)
+    return torch.cat(rows, dim=1).to(torch.int32)
+
+
+class Qwen2VLModel(nn.Module):
+    """A loaded Qwen2-VL / Qwen2.5-VL (see ``base.VisionLanguageModel`` for the contract of each method)."""
+
+    def __init__(self, config: ModelConfig, assets: ModelAssets, vision: QwenVisionConfig | None) -> None:
+        super().__init__()
+        self.config, self.assets = config, assets
+        self.language_model = llama.LlamaDecoder(config, attention_bias=True, output_bias=False)
+        self.visual = qwen2vl_vision.QwenVisionTower(vision) if vision else None
+        self.merge_size = vision.spatial_merge_size if vision else 1
+        self.device, self.dtype = torch.device("meta"), torch.float32
+
+    @property
+    def has_vision(self) -> bool:
+        return self.visual is not None
+
+    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16) -> KVArena:
+        c = self.config
+        arena = KVArena(
+            n_layers=c.n_layers,
+            n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=block_size,
+            kv_bytes=kv_bytes,
+            image_cache_bytes=image_cache_bytes,
+        )
+        self.language_model.rotary.configure(arena)
+        return arena
+
+    @torch.no_grad()
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(ids)
+
+    def prepare_image(self, rgb: np.ndarray) -> PreparedImage:
+        """[H, W, 3] uint8 -> patches [t*h*w, 3*2*p*p] float32, (t*h*w) / merge^2 tokens, grid (t, h, w)."""
+        self._require_vision()
+        params = self.assets.preprocess
+        grid = params.grid_thw(rgb.shape[0], rgb.shape[1])
+        pixels = torch.from_numpy(params.preprocess(rgb))
+        return PreparedImage(pixel_values=pixels, n_tokens=int(np.prod(grid)) // self.merge_size**2, grid_thw=grid)
+
+    @torch.no_grad()
+    def encode_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
+        if not images:
+            return []
+        features = self.encode_pixels(
+            torch.cat([image.pixel_values for image in images]), [image.grid_thw for image in images]
+        )
+        return list(features.split([image.n_tokens for image in images]))
+
+    @torch.no_grad()
+    def encode_pixels(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """Patches of several images [sum t*h*w, 3*2*p*p] and their grids -> [sum tokens, hidden], image order."""
+        self._require_vision()
+        grids = [tuple(int(v) for v in grid) for grid in grids]
+        return self.visual(pixel_values.to(self.device, self.dtype), grids)
+
+    def rope_positions(self, prompt: Prompt, images: Sequence[PreparedImage]) -> torch.Tensor:
+        grids = [image.grid_thw for image in images]
+        return mrope_positions(prompt.segments, grids, self.merge_size)
+
+    def _require_vision(self) -> None:
+        if self.visual is None:
+            raise ModelFormatError("this model was loaded without its mmproj file: it cannot encode images")
+
+    @torch.no_grad()
+    def forward(
+        self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        return self.language_model(seq, embeds, batch, capture)
+
+    @torch.no_grad()
+    def forward_layer(
+        self, layer: int, seq, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """One decoder layer: x [n, hidden] -> [n, hidden]; writes the layer's K, V of the n tokens."""
+        return self.language_model.forward_layer(layer, seq, x, batch, capture)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.logits(hidden)
+
+
+def model_config(text: TextModelConfig, vision: QwenVisionConfig | None) -> ModelConfig:
+    """The Runtime's view of a Qwen2-VL pair of files (tokens per image vary: 0 here)."""
+    architecture = "qwen2vl" if vision is None or not vision.is_qwen25 else "qwen2.5vl"
+    return ModelConfig(
+        architecture=architecture,
+        n_layers=text.num_hidden_layers,
+        n_heads=text.num_attention_heads,
+        n_kv_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        vocab=text.vocab_size,
+        rms_norm_eps=text.rms_norm_eps,
+        rope=RopeConfig(theta=text.rope_theta, rotary_dim=text.head_dim, sections=text.rope_sections),
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        image_token_id=text.image_token_id,
+        tokens_per_image=0,
+        image_size=0,
+        vision_hidden=vision.hidden_size if vision else 0,
+    )
+
+
+def model_assets(text: TextModelConfig, vision: QwenVisionConfig | None, mmproj_path: Path | None) -> ModelAssets:
+    """Tokenizer, chat template and image preprocessing stored in the model files."""
+    import hashlib
+
+    from conduit_rt.chat import ChatTemplate
+    from conduit_rt.preprocess import QwenVLPreprocessParams
+    from conduit_rt.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer.from_json_and_ids(
+        text.tokenizer_json,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        unk_token_id=text.unk_token_id,
+        pad_token_id=text.pad_token_id,
+        add_bos_token=text.add_bos_token,
+        add_eos_token=text.add_eos_token,
+    )
+    preprocess, vision_id = None, ""
+    if vision is not None:
+        preprocess = QwenVLPreprocessParams.from_hf_config(
+            vision.preprocessor_config
+            or {
+                "patch_size": vision.patch_size,
+                "merge_size": vision.spatial_merge_size,
+                "image_mean": list(vision.image_mean),
+                "image_std": list(vision.image_std),
+            }
+        )
+        # Without a source fingerprint, the file itself identifies the vision weights.
+        vision_id = (
+            vision.source_id
+            or hashlib.sha256(f"{mmproj_path.resolve()}:{mmproj_path.stat().st_size}".encode()).hexdigest()
+        )
+    return ModelAssets(
+        tokenizer=tokenizer,
+        chat_template=ChatTemplate(text.chat_template) if text.chat_template else None,
+        image_token_id=text.image_token_id,
+        tokens_per_image=0,
+        preprocess=preprocess,
+        vision_model_id=vision_id,
+        eos_token_ids=frozenset({text.eos_token_id}),
+        bos_token_id=text.bos_token_id,
+    )
+
+
+def load(
+    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None
+) -> Qwen2VLModel:
+    """Load ``model.gguf`` (+ ``mmproj.gguf``) onto ``device`` in ``dtype`` (default: float32 on CPU,
+    bfloat16 on CUDA). Raises ``ModelFormatError`` naming the file and tensor at fault."""
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported model dtype {dtype}; use one of {SUPPORTED_DTYPES}")
+    text_file = load_text_model_file(text_path)
+    vision_file = load_mmproj_file(mmproj_path, text_file) if mmproj_path is not None else None
+    text, vision = text_file.config, vision_file.config if vision_file else None
+    if vision is not None and not isinstance(vision, QwenVisionConfig):
+        raise ModelFormatError(
+            f"{mmproj_path}: projector {vision.projector_type!r} does not belong to a Qwen2-VL model"
+        )
+    assets = model_assets(text, vision, Path(mmproj_path) if mmproj_path is not None else None)
+    with torch.device("meta"):
+        model = Qwen2VLModel(model_config(text, vision), assets, vision)
+    decoder_map = llama.gguf_tensor_map(text.num_hidden_layers, True, text.tie_word_embeddings, output_bias=False)
+    assign_weights(model.language_model, text_file, decoder_map, dtype, device)
+    if vision_file is not None:
+        assign_weights(model.visual, vision_file, qwen2vl_vision.gguf_tensor_map(model.visual), dtype, device)
+    model.device, model.dtype = device, dtype
+    model.language_model.init_rotary(device)
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s", model.config)
+    return model
+
+
+def assign_weights(
+    module: nn.Module, model_file: GGUFModelFile, mapping: dict[str, str], dtype: torch.dtype, device: torch.device
+) -> None:
+    """Fill ``module``'s (meta) parameters from the file's tensors (each read once) on ``device``."""
+    expected = dict(module.named_parameters(remove_duplicate=False))
+    if set(mapping) != set(expected):
+        missing, extra = sorted(set(expected) - set(mapping)), sorted(set(mapping) - set(expected))
+        raise ModelFormatError(
+            f"{model_file.path}: tensor map does not match the module (unmapped {missing[:3]}, unknown {extra[:3]})"
+        )
+    loaded: dict[str, torch.Tensor] = {}
+    for param, gguf_name in mapping.items():
+        if gguf_name not in model_file:
+            raise ModelFormatError(f"{model_file.path}: missing tensor {gguf_name}")
+        if model_file.shape(gguf_name) != tuple(expected[param].shape):
+            raise ModelFormatError(
+                f"{model_file.path}: tensor {gguf_name} has shape {list(model_file.shape(gguf_name))}, "
+                f"expected {list(expected[param].shape)}"
+            )
+        if gguf_name not in loaded:  # tied tensors are read once and shared
+            loaded[gguf_name] = model_file.tensor(gguf_name, dtype, device)
+    module.load_state_dict({param: loaded[name] for param, name in mapping.items()}, strict=True, assign=True)
