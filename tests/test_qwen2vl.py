@@ -151,7 +151,7 @@ def prefill_logits(model, prompt, prepared, cuts: list[int] | None = None) -> to
     n = len(prompt.token_ids)
     cuts = cuts or [0, n]
     hidden = []
-    with model.new_arena(16 << 20, block_size=8) as arena, arena.new_sequence() as seq:
+    with model.new_arena(16 << 20) as arena, arena.new_sequence() as seq:
         for lo, hi in itertools.pairwise(cuts):
             positions = torch.arange(lo, hi, dtype=torch.int32)
             seq.append(positions)

@@ -78,13 +78,14 @@ class AttentionPlan:
     """Where the tokens go and which attend to which, for one batch of images (CPU-built, then moved).
 
     unit_order: long [n_units] or None: the merge-block units in window order (None = as given).
-    full_bounds / window_bounds: segment boundaries [0, ..., n] in the (permuted) token order.
+    full_groups / window_groups: the attention segments (each image; each window) in the (permuted)
+        token order, as ``segment_groups`` gives them.
     cos, sin: float32 [n, head_dim] 2-D RoPE of each token, in the same order.
     """
 
     unit_order: torch.Tensor | None
-    full_bounds: list[int]
-    window_bounds: list[int]
+    full_groups: list[torch.Tensor]
+    window_groups: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -128,14 +129,21 @@ def vision_rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     return angles.cos(), angles.sin()
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """q, k, v [n, heads, d] -> [n, heads, d]: each token attends to every token of its segment
-    [bounds[i], bounds[i + 1]). Segments of equal length go through one batched SDPA call."""
+def segment_groups(bounds: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Segments [bounds[i], bounds[i + 1]) grouped by length: one long index [segments, length] per
+    length, on ``device`` (built once per batch of images, used by every block)."""
     starts = torch.tensor(bounds[:-1])
     lengths = torch.tensor(bounds[1:]) - starts
+    return [
+        (starts[lengths == length][:, None] + torch.arange(length)).to(device) for length in lengths.unique().tolist()
+    ]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[torch.Tensor]) -> torch.Tensor:
+    """q, k, v [n, heads, d] -> [n, heads, d]: each token attends to every token of its segment and
+    no other; the segments of one group (``segment_groups``) go through one batched SDPA call."""
     out = torch.empty_like(q)
-    for length in lengths.unique().tolist():
-        index = (starts[lengths == length][:, None] + torch.arange(length)).to(q.device)  # [segments, length]
+    for index in groups:  # [segments, length]
         gathered = [x[index].transpose(1, 2) for x in (q, k, v)]  # [segments, heads, length, d]
         out[index] = F.scaled_dot_product_attention(*gathered).transpose(1, 2)
     return out
@@ -156,7 +164,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(hidden, hidden)
         self.n_heads = n_heads
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, groups: list[torch.Tensor]) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]."""
         n, hidden = x.shape
 
@@ -165,7 +173,7 @@ class VisionAttention(nn.Module):
 
         q = rotate(heads(self.q(x)), plan.cos, plan.sin)
         k = rotate(heads(self.k(x)), plan.cos, plan.sin)
-        return self.proj(segment_attention(q, k, heads(self.v(x)), bounds).reshape(n, hidden))
+        return self.proj(segment_attention(q, k, heads(self.v(x)), groups).reshape(n, hidden))
 
 
 class VisionMLP(nn.Module):
@@ -201,8 +209,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_attention_heads)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, gated=config.is_qwen25)
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan, bounds: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), plan, bounds)
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, groups: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), plan, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -254,12 +262,17 @@ class QwenVisionTower(nn.Module):
                 full_bounds.append(full_bounds[-1] + h * w)
         cos, sin = vision_rope(patch_positions(grids, c.spatial_merge_size), c.head_dim, c.rope_theta)
         if not c.uses_windows:
-            return AttentionPlan(None, full_bounds, full_bounds, cos.to(device), sin.to(device))
+            full = segment_groups(full_bounds, device)
+            return AttentionPlan(None, full, full, cos.to(device), sin.to(device))
         order, lengths = window_order(grids, c.spatial_merge_size, c.window_size // c.merge_factor)
         window_bounds = torch.cumsum(torch.tensor([0, *lengths]), 0).mul(unit).tolist()
         token_order = (order[:, None] * unit + torch.arange(unit)).flatten()
         return AttentionPlan(
-            order.to(device), full_bounds, window_bounds, cos[token_order].to(device), sin[token_order].to(device)
+            order.to(device),
+            segment_groups(full_bounds, device),
+            segment_groups(window_bounds, device),
+            cos[token_order].to(device),
+            sin[token_order].to(device),
         )
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
@@ -277,7 +290,7 @@ class QwenVisionTower(nn.Module):
             x = x.view(-1, unit, x.shape[-1])[plan.unit_order].view(x.shape)
         for index, block in enumerate(self.blocks):
             windowed = plan.unit_order is not None and index not in c.fullatt_block_indexes
-            x = block(x, plan, plan.window_bounds if windowed else plan.full_bounds)
+            x = block(x, plan, plan.window_groups if windowed else plan.full_groups)
         merged = self.merger(x)
         if plan.unit_order is not None:
             merged = merged[torch.argsort(plan.unit_order)]
