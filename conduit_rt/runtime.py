@@ -135,7 +135,25 @@ class Runtime:
         model_path = Path(model_path)
         if mmproj is None and (model_path.parent / "mmproj.gguf").is_file():
             mmproj = model_path.parent / "mmproj.gguf"
-        self.model = load_model(model_path, mmproj, self.device, self.dtype)
+        self._attach(load_model(model_path, mmproj, self.device, self.dtype), kv_cache_bytes, image_cache_bytes,
+                     prefix_cache_entries)
+        logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
+                    self.arena.kv_bytes / 2**20)
+
+    @classmethod
+    def from_model(cls, model, kv_cache_bytes: int | None = None, image_cache_bytes: int | None = None,
+                   prefix_cache_entries: int = 4) -> "Runtime":
+        """A Runtime over an already-built model (no files read; benchmarks build one with random
+        weights): its device and dtype are the model's; the other arguments are as in ``__init__``."""
+        runtime = cls.__new__(cls)
+        runtime.device, runtime.dtype = model.device, model.dtype
+        runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries)
+        return runtime
+
+    def _attach(self, model, kv_cache_bytes: int | None, image_cache_bytes: int | None,
+                prefix_cache_entries: int) -> None:
+        """Takes the model, sizes the KV arena and creates the caches over it."""
+        self.model = model
         self.assets = self.model.assets  # tokenizer, chat template, preprocessing, ids
         kv_bytes = self._kv_bytes(kv_cache_bytes)
         image_bytes = kv_bytes // 4 if image_cache_bytes is None else int(image_cache_bytes)
@@ -143,8 +161,6 @@ class Runtime:
         self.image_kv = ImageKVStore(self.arena)
         self.embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
         self.prefix_cache = PrefixCache(prefix_cache_entries)
-        logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
-                    self.arena.kv_bytes / 2**20)
 
     def _kv_bytes(self, requested: int | None) -> int:
         if requested is not None:
