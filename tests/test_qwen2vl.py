@@ -312,37 +312,61 @@ def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
     session.close()
 
 
+def hf_bf16_reference(ref: Reference, source, messages: list[dict]) -> dict[str, torch.Tensor]:
+    """HF fp32 (CPU) and bf16 (CUDA, SDPA) logits of every prompt position and image features, float32 CPU."""
+    inputs = hf_inputs(ref, messages)
+    hf_bf16 = (
+        type(ref.model).from_pretrained(source, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").eval()
+    )
+    cuda_inputs = {k: v.cuda() for k, v in inputs.items()}
+    cuda_inputs["pixel_values"] = cuda_inputs["pixel_values"].bfloat16()
+    out = {}
+    with torch.no_grad():
+        for name, model, given in (("fp32", ref.model, inputs), ("bf16", hf_bf16, cuda_inputs)):
+            out[f"{name}_logits"] = model(**given).logits[0].float().cpu()
+            features = model.model.get_image_features(
+                pixel_values=given["pixel_values"], image_grid_thw=given["image_grid_thw"]
+            ).pooler_output
+            out[f"{name}_features"] = torch.cat(features).float().cpu()
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_images", [1, 3])
 def test_bf16_cuda_logits_and_features_track_transformers(checkpoint, hf, n_images):
     """bf16 on CUDA: our error against HF fp32 stays within bf16's own (HF bf16 vs HF fp32)."""
     _, source, converted = checkpoint
     messages = interleaved(images(n_images, seed=n_images + 10))
-    inputs = hf_inputs(hf, messages)
-    with torch.no_grad():
-        expected = hf.model(**inputs).logits[0].float()
-    model_class = type(hf.model)
-    hf_bf16 = model_class.from_pretrained(source, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").eval()
-    with torch.no_grad():
-        cuda_inputs = {k: v.cuda() for k, v in inputs.items()}
-        cuda_inputs["pixel_values"] = cuda_inputs["pixel_values"].bfloat16()
-        bf16_logits = hf_bf16(**cuda_inputs).logits[0].float().cpu()
-    hf_error = (bf16_logits - expected).abs().max().item()
+    ref = hf_bf16_reference(hf, source, messages)
     gpu_model = load_model(converted / "model.gguf", converted / "mmproj.gguf", "cuda", torch.bfloat16)
+    assert gpu_model.dtype == torch.bfloat16 and gpu_model.device.type == "cuda"
     prompt, prepared = our_prompt(gpu_model, messages)
-    ours = prefill_logits(gpu_model, prompt, prepared)
-    our_error = (ours - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    assert our_error <= 2 * hf_error + 1e-2 * scale, (our_error, hf_error)
-    assert (ours[-1].argmax() == expected[-1].argmax()) or our_error <= hf_error
+    for kind, ours in (
+        ("features", torch.cat(gpu_model.encode_images(prepared)).float().cpu()),
+        ("logits", prefill_logits(gpu_model, prompt, prepared)),
+    ):
+        expected = ref[f"fp32_{kind}"]
+        hf_error = (ref[f"bf16_{kind}"] - expected).abs().max().item()
+        our_error = (ours - expected).abs().max().item()
+        assert our_error <= 2 * hf_error + 1e-2 * expected.abs().max().item(), (kind, our_error, hf_error)
+    logits, expected = ours, ref["fp32_logits"]
+    assert (
+        logits[-1].argmax() == expected[-1].argmax()
+        or (logits - expected).abs().max() <= (ref["bf16_logits"] - expected).abs().max()
+    )
 
 
 @pytest.mark.gpu
-def test_bf16_cuda_runtime_generates_text(checkpoint):
-    """The whole request path on CUDA in bf16 (vision tower, M-RoPE prefill, decode) runs and is repeatable."""
-    _, _, converted = checkpoint
+def test_bf16_cuda_runtime_first_logits_track_transformers(checkpoint, hf):
+    """The whole request path on CUDA in bf16 (preprocess, tower, M-RoPE prefill, decode) through the Runtime."""
+    _, source, converted = checkpoint
     gpu_runtime = Runtime(converted / "model.gguf", device="cuda", kv_cache_bytes=16 << 20, image_cache_bytes=0)
     messages = interleaved(images(3, seed=40), "Describe them.")
-    first = gpu_runtime.generate(messages, max_tokens=N_NEW)
-    assert first.tokens == gpu_runtime.generate(messages, max_tokens=N_NEW).tokens
-    assert first.stats.images == 3 and first.stats.decode_tokens > 0
+    ref = hf_bf16_reference(hf, source, messages)
+    result = gpu_runtime.generate(messages, max_tokens=N_NEW, return_logits=True)
+    assert result.stats.images == 3 and 1 <= result.logits.shape[0] <= N_NEW
+    assert torch.isfinite(result.logits).all()
+    expected = ref["fp32_logits"][-1]
+    hf_error = (ref["bf16_logits"][-1] - expected).abs().max().item()
+    our_error = (result.logits[0] - expected).abs().max().item()
+    assert our_error <= 2 * hf_error + 1e-2 * expected.abs().max().item(), (our_error, hf_error)
