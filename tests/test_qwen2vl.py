@@ -81,7 +81,7 @@ def model(checkpoint):
 def runtime(checkpoint):
     """The image-KV store is off: these tests check the model path (CONDUIT reuse has its own tests)."""
     _, _, converted = checkpoint
-    return Runtime(converted / "model.gguf", device="cpu", kv_cache_bytes=8 << 20, image_cache_bytes=0)
+    return Runtime(converted / "model.gguf", device="cpu", kv_cache_bytes=8 << 20)
 
 
 def images(n: int, seed: int = 0) -> list[Image.Image]:
@@ -310,6 +310,27 @@ def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
     torch.testing.assert_close(second.logits, whole.logits, atol=1e-4 * whole.logits.abs().max().item(), rtol=0)
     assert first.text == session.history[1]["content"]
     session.close()
+
+
+@pytest.mark.parametrize("policy", ["conduit", "cacheblend"])
+def test_refreshing_every_restored_image_token_equals_a_cold_prefill(checkpoint, policy, device):
+    """CONDUIT on M-RoPE: cached images restored at new (t, h, w) positions, then fully refreshed.
+    fp32 on the CPU matches to rounding; bf16 on CUDA to bf16's precision (batch shapes differ)."""
+    _, _, converted = checkpoint
+
+    def fresh_runtime() -> Runtime:
+        return Runtime(converted / "model.gguf", device=device, kv_cache_bytes=16 << 20, prefix_cache_entries=0)
+
+    warm, pics = fresh_runtime(), images(3, seed=50)
+    warm.generate(interleaved(pics, "Which is brightest?"), max_tokens=1, refresh="conduit")
+    assert warm.arena.stats().n_image_entries == 3
+    messages = [{"role": "system", "content": "Another prefix."}] + interleaved([pics[2], pics[0], pics[1]], "Changes?")
+    refreshed = warm.generate(messages, max_tokens=1, return_logits=True, refresh=policy, refresh_budget=1.0)
+    assert refreshed.stats.image_hits == 3 and refreshed.stats.refreshed_tokens == refreshed.stats.visual_tokens > 0
+    cold = fresh_runtime().generate(messages, max_tokens=1, return_logits=True).logits[0]
+    assert_close_logits(refreshed.logits[0], cold, rtol=1e-5 if device == "cpu" else 3e-2)
+    stale = warm.generate(messages, max_tokens=1, return_logits=True, refresh="none").logits[0]
+    assert (stale - cold).abs().max() > 1e-3 * cold.abs().max()  # the restored, unrefreshed KV was used
 
 
 def hf_bf16_reference(ref: Reference, source, messages: list[dict]) -> dict[str, torch.Tensor]:
