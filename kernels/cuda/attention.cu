@@ -1,7 +1,7 @@
-// attention.cu: host side of the CUDA attention: picks the kernel instantiation for the dtype,
-// head_dim and GQA group (attention_kernel.cuh), the number of KV splits, and where the split
-// partials go (the stream workspace of runtime.cu). If that workspace cannot be allocated, the call
-// falls back to a single split: slower, same result.
+// attention.cu: the CUDA attention: picks the kernel instantiation for the dtype, head_dim and GQA
+// group (attention_shape.cuh), the number of KV splits, and where the split partials go (the stream
+// workspace of runtime.cu), then merges the splits by their log-sum-exp. If that workspace cannot be
+// allocated, the call falls back to a single split: slower, same result.
 #include <algorithm>
 
 #include "attention_kernel.cuh"
@@ -12,6 +12,30 @@ namespace {
 constexpr int32_t kMinSplitTokens = 128; // below this a split's fixed cost outweighs the parallelism
 constexpr int32_t kMaxSplits = 128;
 constexpr int32_t kTargetCtasPerSm = 4;  // ~2 resident CTAs per SM, two waves
+
+// One CTA per (query, head): out = sum_s exp(lse_s - lse) * partial_s, lse = logsumexp_s(lse_s).
+// Dynamic shared memory: n_splits floats.
+template <typename T> __global__ void merge_splits_kernel(const AttentionParams p) {
+    extern __shared__ float weight[];
+    const int64_t head_row = blockIdx.x;
+    const float *part_lse = p.partial_lse + head_row * p.n_splits;
+    float max_lse = -CUDART_INF_F;
+    for (int32_t s = 0; s < p.n_splits; ++s) max_lse = fmaxf(max_lse, part_lse[s]);
+    const float ref = max_lse == -CUDART_INF_F ? 0.0f : max_lse;
+    for (int32_t s = threadIdx.x; s < p.n_splits; s += blockDim.x) weight[s] = expf(part_lse[s] - ref);
+    __syncthreads();
+    float total = 0.0f;
+    for (int32_t s = 0; s < p.n_splits; ++s) total += weight[s];
+    const bool empty = total == 0.0f;
+    const float inv = empty ? 0.0f : 1.0f / total;
+    const float *part_out = p.partial_out + head_row * p.n_splits * p.head_dim;
+    for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+        float value = 0.0f;
+        for (int32_t s = 0; s < p.n_splits; ++s) value = fmaf(weight[s], part_out[int64_t(s) * p.head_dim + d], value);
+        static_cast<T *>(p.out)[head_row * p.head_dim + d] = from_float<T>(value * inv);
+    }
+    if (threadIdx.x == 0 && p.lse) p.lse[head_row] = empty ? -CUDART_INF_F : max_lse + logf(total);
+}
 
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
 void launch(AttentionParams p, cudaStream_t stream) {

@@ -1,5 +1,5 @@
-// attention_kernel.cuh: the split-KV ("flash-decoding") attention kernel over one paged layer and
-// the kernel that merges its splits. Host-side dispatch lives in attention.cu.
+// attention_kernel.cuh: the split-KV ("flash-decoding") attention kernel over one paged layer.
+// Host-side dispatch lives in attention.cu (values) and attention_stats.cu (scores only).
 //
 // Grid: x = query, y = KV head x head tile, z = split of the layer's slots. A CTA owns one query,
 // one KV head and up to kGroupTile of the query heads that share it (GQA), so every K and V byte of
@@ -19,97 +19,15 @@
 
 #include <math_constants.h>
 
-#include "common.cuh"
+#include "attention_shape.cuh"
 
 namespace conduit::kernels::cuda {
-
-constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kAttnStages = 2;
-
-struct AttentionParams {
-    const void *pool;
-    const int32_t *block_table; // [ceil(n_tokens / block_size)]
-    const int32_t *positions;   // [n_tokens]
-    int64_t block_elems;
-    int64_t v_delta; // elements from a K row to its V row
-    int32_t n_tokens, n_kv_heads, head_dim, block_shift;
-    int32_t n_q, n_heads, group, head_tiles;
-    const void *q;          // [n_q, n_heads, head_dim]
-    const int32_t *q_pos;   // [n_q]
-    bool q_vector;          // q is 16-byte aligned
-    float scale_log2;       // scale * log2(e)
-    void *out;              // [n_q, n_heads, head_dim], written when n_splits == 1
-    float *lse;             // [n_q, n_heads] or null, written when n_splits == 1
-    float *partial_out;     // [n_q, n_heads, n_splits, head_dim] float32, when n_splits > 1
-    float *partial_lse;     // [n_q, n_heads, n_splits] float32, when n_splits > 1 or !kValues:
-                            // natural log with values, base 2 (of scores * log2 e) without
-    float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (!kValues only)
-    int32_t n_splits;
-    int32_t split_tokens;   // slots per split, a multiple of the tile rows
-    bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
-};
-
-// Fills AttentionParams from a layer and the queries, checking the kernels' preconditions
-// (attention.cu).
-AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
-                                 const int32_t *q_pos, float scale);
-// Sets p.split_tokens (a multiple of tile_rows, at least min_split_tokens unless one split covers
-// everything) and p.n_splits from the work size and the SM count (attention.cu).
-void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens);
 
 // Sum over the kLanes consecutive lanes of a row group (all 32 lanes take part).
 template <int kLanes> __device__ __forceinline__ float group_sum(float x) {
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
-}
-
-// Tile geometry of one instantiation: T storage type, kLanes lanes per key row, kPerLane 16-byte
-// chunks per lane (kLanes * kPerLane * kChunk<T> >= head_dim), kGroupTile query heads per CTA.
-template <typename T, int kLanes, int kPerLane, int kGroupTile> struct AttnShape {
-    static constexpr int kVec = kChunk<T>;
-    static constexpr int kRowChunks = kLanes * kPerLane;           // 16-byte chunks of a padded row
-    static constexpr int kFloats = kPerLane * kVec;                // floats per lane per head
-    static constexpr int kGroupsPerWarp = 32 / kLanes;
-    static constexpr int kRowsPerGroup = 4 / kPerLane;             // rows a group takes per tile
-    static constexpr int kTileRows = kAttnWarps * kGroupsPerWarp * kRowsPerGroup; // 512 / kRowChunks
-    static constexpr int kTileChunks = kTileRows * kRowChunks;     // 512 (8 KiB) per tensor
-    static constexpr int kStageChunks = 2 * kTileChunks;           // K then V
-    static constexpr int kMergeFloats = kAttnWarps * kGroupTile * kRowChunks * kVec;
-    static constexpr int kSmemChunks =
-        kAttnStages * kStageChunks > kMergeFloats / 4 ? kAttnStages * kStageChunks : kMergeFloats / 4;
-};
-
-// Query heads per CTA: the smallest of 1, 2, 4, 8 that holds the GQA group (larger groups take
-// several head tiles, each reading the KV again).
-inline int32_t group_tile_for(int32_t group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
-
-template <typename T, int kLanes, int kPerLane, int kGroupTile> struct ShapeTag {
-    using type = T;
-    static constexpr int lanes = kLanes, per_lane = kPerLane, group_tile = kGroupTile;
-};
-
-template <typename T, int kLanes, int kPerLane, typename F> void dispatch_group_tile(int32_t group, F &&f) {
-    switch (group_tile_for(group)) {
-    case 1: return f(ShapeTag<T, kLanes, kPerLane, 1>{});
-    case 2: return f(ShapeTag<T, kLanes, kPerLane, 2>{});
-    case 4: return f(ShapeTag<T, kLanes, kPerLane, 4>{});
-    default: return f(ShapeTag<T, kLanes, kPerLane, 8>{});
-    }
-}
-
-// Calls f(ShapeTag<T, lanes, per_lane, group_tile>{}) for a head_dim (a multiple of 8 in [8, 256])
-// and GQA group. Lanes per key row: the power of two (>= 4) covering head_dim in 16-byte chunks;
-// float32 rows of more than 32 chunks (head_dim > 128) give each lane two chunks.
-template <typename T, typename F> void dispatch_shape(int32_t head_dim, int32_t group, F &&f) {
-    const int32_t chunks = head_dim / kChunk<T>;
-    if (chunks <= 4) return dispatch_group_tile<T, 4, 1>(group, f);
-    if (chunks <= 8) return dispatch_group_tile<T, 8, 1>(group, f);
-    if (chunks <= 16) return dispatch_group_tile<T, 16, 1>(group, f);
-    if (chunks <= 32) return dispatch_group_tile<T, 32, 1>(group, f);
-    if constexpr (sizeof(T) == 4) return dispatch_group_tile<T, 32, 2>(group, f);
-    require(false, "head_dim too large");
 }
 
 // Issues the cp.async copies of one tile (K, V when kValues, and positions of kTileRows slots from
@@ -383,30 +301,6 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
             if (d == 0) p.partial_lse[part] = lse;
         }
     }
-}
-
-// One CTA per (query, head): out = sum_s exp(lse_s - lse) * partial_s, lse = logsumexp_s(lse_s).
-// Dynamic shared memory: n_splits floats.
-template <typename T> __global__ void merge_splits_kernel(const AttentionParams p) {
-    extern __shared__ float weight[];
-    const int64_t head_row = blockIdx.x;
-    const float *part_lse = p.partial_lse + head_row * p.n_splits;
-    float max_lse = -CUDART_INF_F;
-    for (int32_t s = 0; s < p.n_splits; ++s) max_lse = fmaxf(max_lse, part_lse[s]);
-    const float ref = max_lse == -CUDART_INF_F ? 0.0f : max_lse;
-    for (int32_t s = threadIdx.x; s < p.n_splits; s += blockDim.x) weight[s] = expf(part_lse[s] - ref);
-    __syncthreads();
-    float total = 0.0f;
-    for (int32_t s = 0; s < p.n_splits; ++s) total += weight[s];
-    const bool empty = total == 0.0f;
-    const float inv = empty ? 0.0f : 1.0f / total;
-    const float *part_out = p.partial_out + head_row * p.n_splits * p.head_dim;
-    for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-        float value = 0.0f;
-        for (int32_t s = 0; s < p.n_splits; ++s) value = fmaf(weight[s], part_out[int64_t(s) * p.head_dim + d], value);
-        static_cast<T *>(p.out)[head_row * p.head_dim + d] = from_float<T>(value * inv);
-    }
-    if (threadIdx.x == 0 && p.lse) p.lse[head_row] = empty ? -CUDART_INF_F : max_lse + logf(total);
 }
 
 } // namespace conduit::kernels::cuda

@@ -1,0 +1,92 @@
+// attention_shape.cuh: what the attention kernels share with their host code: the launch
+// parameters, the tile geometry of each instantiation and the dispatch from (dtype, head_dim, GQA
+// group) to an instantiation. Kernels: attention_kernel.cuh; host: attention.cu, attention_stats.cu.
+#pragma once
+
+#include "common.cuh"
+
+namespace conduit::kernels::cuda {
+
+constexpr int kAttnThreads = 128;
+constexpr int kAttnWarps = kAttnThreads / 32;
+constexpr int kAttnStages = 2;
+
+struct AttentionParams {
+    const void *pool;
+    const int32_t *block_table; // [ceil(n_tokens / block_size)]
+    const int32_t *positions;   // [n_tokens]
+    int64_t block_elems;
+    int64_t v_delta; // elements from a K row to its V row
+    int32_t n_tokens, n_kv_heads, head_dim, block_shift;
+    int32_t n_q, n_heads, group, head_tiles;
+    const void *q;          // [n_q, n_heads, head_dim]
+    const int32_t *q_pos;   // [n_q]
+    bool q_vector;          // q is 16-byte aligned
+    float scale_log2;       // scale * log2(e)
+    void *out;              // [n_q, n_heads, head_dim], written when n_splits == 1
+    float *lse;             // [n_q, n_heads] or null, written when n_splits == 1
+    float *partial_out;     // [n_q, n_heads, n_splits, head_dim] float32, when n_splits > 1
+    float *partial_lse;     // [n_q, n_heads, n_splits] float32, when n_splits > 1 or !kValues:
+                            // natural log with values, base 2 (of scores * log2 e) without
+    float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (!kValues only)
+    int32_t n_splits;
+    int32_t split_tokens;   // slots per split, a multiple of the tile rows
+    bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
+};
+
+// Fills AttentionParams from a layer and the queries, checking the kernels' preconditions
+// (attention.cu).
+AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
+                                 const int32_t *q_pos, float scale);
+// Sets p.split_tokens (a multiple of tile_rows, at least min_split_tokens unless one split covers
+// everything) and p.n_splits from the work size and the SM count (attention.cu).
+void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens);
+
+// Tile geometry of one instantiation: T storage type, kLanes lanes per key row, kPerLane 16-byte
+// chunks per lane (kLanes * kPerLane * kChunk<T> >= head_dim), kGroupTile query heads per CTA.
+template <typename T, int kLanes, int kPerLane, int kGroupTile> struct AttnShape {
+    static constexpr int kVec = kChunk<T>;
+    static constexpr int kRowChunks = kLanes * kPerLane;           // 16-byte chunks of a padded row
+    static constexpr int kFloats = kPerLane * kVec;                // floats per lane per head
+    static constexpr int kGroupsPerWarp = 32 / kLanes;
+    static constexpr int kRowsPerGroup = 4 / kPerLane;             // rows a group takes per tile
+    static constexpr int kTileRows = kAttnWarps * kGroupsPerWarp * kRowsPerGroup; // 512 / kRowChunks
+    static constexpr int kTileChunks = kTileRows * kRowChunks;     // 512 (8 KiB) per tensor
+    static constexpr int kStageChunks = 2 * kTileChunks;           // K then V
+    static constexpr int kMergeFloats = kAttnWarps * kGroupTile * kRowChunks * kVec;
+    static constexpr int kSmemChunks =
+        kAttnStages * kStageChunks > kMergeFloats / 4 ? kAttnStages * kStageChunks : kMergeFloats / 4;
+};
+
+// Query heads per CTA: the smallest of 1, 2, 4, 8 that holds the GQA group (larger groups take
+// several head tiles, each reading the KV again).
+inline int32_t group_tile_for(int32_t group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
+
+template <typename T, int kLanes, int kPerLane, int kGroupTile> struct ShapeTag {
+    using type = T;
+    static constexpr int lanes = kLanes, per_lane = kPerLane, group_tile = kGroupTile;
+};
+
+template <typename T, int kLanes, int kPerLane, typename F> void dispatch_group_tile(int32_t group, F &&f) {
+    switch (group_tile_for(group)) {
+    case 1: return f(ShapeTag<T, kLanes, kPerLane, 1>{});
+    case 2: return f(ShapeTag<T, kLanes, kPerLane, 2>{});
+    case 4: return f(ShapeTag<T, kLanes, kPerLane, 4>{});
+    default: return f(ShapeTag<T, kLanes, kPerLane, 8>{});
+    }
+}
+
+// Calls f(ShapeTag<T, lanes, per_lane, group_tile>{}) for a head_dim (a multiple of 8 in [8, 256])
+// and GQA group. Lanes per key row: the power of two (>= 4) covering head_dim in 16-byte chunks;
+// float32 rows of more than 32 chunks (head_dim > 128) give each lane two chunks.
+template <typename T, typename F> void dispatch_shape(int32_t head_dim, int32_t group, F &&f) {
+    const int32_t chunks = head_dim / kChunk<T>;
+    if (chunks <= 4) return dispatch_group_tile<T, 4, 1>(group, f);
+    if (chunks <= 8) return dispatch_group_tile<T, 8, 1>(group, f);
+    if (chunks <= 16) return dispatch_group_tile<T, 16, 1>(group, f);
+    if (chunks <= 32) return dispatch_group_tile<T, 32, 1>(group, f);
+    if constexpr (sizeof(T) == 4) return dispatch_group_tile<T, 32, 2>(group, f);
+    require(false, "head_dim too large");
+}
+
+} // namespace conduit::kernels::cuda
