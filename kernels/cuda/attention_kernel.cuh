@@ -257,8 +257,11 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
             for (int c = 0; c < (kValues ? kPerLane : 0); ++c) {
 #pragma unroll
-                for (int e = 0; e < kVec; ++e)
-                    merge[(warp * kGroupTile + h) * kPadded + (c * kLanes + j) * kVec + e] = acc[h][c * kVec + e];
+                for (int e = 0; e < kVec; e += 4) { // float4 stores: 2-way bank conflicts instead of 8-way
+                    const float *a = &acc[h][c * kVec + e];
+                    *reinterpret_cast<float4 *>(&merge[(warp * kGroupTile + h) * kPadded + (c * kLanes + j) * kVec + e]) =
+                        make_float4(a[0], a[1], a[2], a[3]);
+                }
             }
             if (j == 0) {
                 max_smem[warp][h] = run_max[h];
