@@ -335,18 +335,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return resized_height, resized_width
 
 
-def preprocess_params_from_hf_config(config: dict) -> ClipPreprocessParams:
-    """Pick the preprocessing for a Hugging Face ``preprocessor_config.json``.
-
-    Only CLIP-style processors exist so far; Qwen2-VL's dynamic-resolution processor will be a
-    second params class with the same ``preprocess``/``as_dict`` methods.
-    """
+def preprocess_params_from_hf_config(config: dict) -> "ClipPreprocessParams | QwenVLPreprocessParams":
+    """Pick the preprocessing for a Hugging Face ``preprocessor_config.json``: CLIP-style fixed crops
+    (LLaVA) or Qwen2-VL's dynamic resolution; both offer ``preprocess`` and ``as_dict``."""
     processor_type = config.get("image_processor_type", "CLIPImageProcessor")
-    if processor_type.removesuffix("Pil").removesuffix("Fast") in (
-        "CLIPImageProcessor",
-        "LlavaImageProcessor",
-    ):
+    base = processor_type.removesuffix("Pil").removesuffix("Fast")
+    if base in ("CLIPImageProcessor", "LlavaImageProcessor"):
         return ClipPreprocessParams.from_hf_config(config)
+    if base in ("Qwen2VLImageProcessor", "Qwen2_5_VLImageProcessor"):
+        return QwenVLPreprocessParams.from_hf_config(config)
     raise ModelFormatError(f"unsupported image processor {processor_type!r} in preprocessor_config.json")
 
 

@@ -232,12 +232,12 @@ def test_text_and_mmproj_files_swapped_are_refused(model_dir):
 
 def test_unsupported_architecture_and_projector_are_refused(model_dir, tmp_path):
     text = rewrite_gguf(model_dir / "model.gguf", tmp_path / "model.gguf",
-                        set_keys={"general.architecture": ("qwen2vl", GGUFValueType.STRING)})
-    with pytest.raises(UnsupportedArchitectureError, match="'qwen2vl' is not supported; supported: 'llama'"):
+                        set_keys={"general.architecture": ("gemma3", GGUFValueType.STRING)})
+    with pytest.raises(UnsupportedArchitectureError, match="'gemma3' is not supported; supported: llama, qwen2vl"):
         load_text_model_file(text)
     mmproj = rewrite_gguf(model_dir / "mmproj.gguf", tmp_path / "mmproj.gguf",
-                          set_keys={"clip.projector_type": ("qwen2vl_merger", GGUFValueType.STRING)})
-    with pytest.raises(UnsupportedArchitectureError, match="projector type 'qwen2vl_merger'"):
+                          set_keys={"clip.projector_type": ("gemma3", GGUFValueType.STRING)})
+    with pytest.raises(UnsupportedArchitectureError, match="projector type 'gemma3'"):
         load_mmproj_file(mmproj)
 
 

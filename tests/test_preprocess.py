@@ -149,8 +149,8 @@ def test_unreadable_images_raise_request_error(bad, fragment):
 
 
 def test_unsupported_processor_is_a_model_format_error():
-    with pytest.raises(ModelFormatError, match="Qwen2VLImageProcessor"):
-        preprocess_params_from_hf_config({"image_processor_type": "Qwen2VLImageProcessor"})
+    with pytest.raises(ModelFormatError, match="SiglipImageProcessor"):
+        preprocess_params_from_hf_config({"image_processor_type": "SiglipImageProcessor"})
 
 
 PARAMS = preprocess_params_from_hf_config(_full_config("clip_square")).as_dict()
