@@ -47,6 +47,12 @@ def _cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     return demo_main(rest)
 
 
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from .bench.cli import main as bench_main
+
+    return bench_main(rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conduit", description="conduit-rt: a runtime for vision-language models "
                                      "that see the same images again and again")
@@ -71,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="the bundled demo: ask about images, again under a changed prefix",
                    add_help=False).set_defaults(func=_cmd_demo)
+    sub.add_parser("bench", help="the benchmark suite: kernels and end-to-end runs vs torch SDPA and transformers",
+                   add_help=False).set_defaults(func=_cmd_bench)
     sub.add_parser("info", help="the native library's version and backends").set_defaults(func=_cmd_info)
     return parser
 
@@ -78,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("convert", "demo"):
+    if rest and args.command not in ("convert", "demo", "bench"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
