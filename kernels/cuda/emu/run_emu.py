@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Builds this folder's CUDA kernels for the CPU emulator (emu.h) and runs test_emu.cpp.
+"""Builds test_cuda_kernels.cpp, which compares the CUDA kernels with the CPU backend (kernels/cpu)
+on random inputs, and runs it.
 
-The kernels are compared with the CPU backend (kernels/cpu) on random inputs. Usage:
-    python3 kernels/cuda/emu/run_emu.py [--build-dir DIR]
-Needs g++ (C++20) and the CUDA toolkit headers (no GPU, no driver).
+    python3 kernels/cuda/emu/run_emu.py            # on the CPU emulator (emu.h): g++ (C++20) and
+                                                   # the CUDA headers, no GPU or driver needed
+    python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
 """
 import argparse
 import os
@@ -52,12 +53,28 @@ def split_top_level(text: str) -> list:
     return parts
 
 
+def run_on_gpu(build: pathlib.Path, arch: str) -> int:
+    build.mkdir(parents=True, exist_ok=True)
+    binary = build / "test_cuda_kernels_gpu"
+    units = sorted(CUDA_DIR.glob("*.cu")) + sorted((KERNELS_DIR / "cpu").glob("*.cpp")) + [HERE / "test_cuda_kernels.cpp"]
+    cmd = ["nvcc", "-std=c++17", "-O2", f"-arch={arch}", "-DCONDUIT_TEST_ON_GPU", f"-I{KERNELS_DIR}", "-o",
+           str(binary)] + [str(u) for u in units]
+    print(" ".join(cmd), flush=True)
+    if subprocess.call(cmd) != 0:
+        return 1
+    return subprocess.call([str(binary)])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--build-dir", default="/tmp/conduit_cuda_emu")
     parser.add_argument("--cuda-include", default=os.environ.get("CUDA_INCLUDE", "/usr/local/cuda/include"))
+    parser.add_argument("--gpu", action="store_true", help="build with nvcc and run on the GPU")
+    parser.add_argument("--arch", default="native", help="nvcc -arch for --gpu")
     args = parser.parse_args()
     build = pathlib.Path(args.build_dir)
+    if args.gpu:
+        return run_on_gpu(build, args.arch)
     src = build / "cuda"
     src.mkdir(parents=True, exist_ok=True)
     # One copy of the interface for every include path: kernels.h and the CPU backend beside it.
@@ -74,7 +91,7 @@ def main() -> int:
         else:
             out = src / path.name
         out.write_text(text)
-    units += [HERE / "emu.cpp", HERE / "test_emu.cpp"] + sorted((build / "cpu").glob("*.cpp"))
+    units += [HERE / "emu.cpp", HERE / "test_cuda_kernels.cpp"] + sorted((build / "cpu").glob("*.cpp"))
     binary = build / "test_emu"
     cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-Wall", "-Wno-unknown-pragmas",
            f"-I{args.cuda_include}", f"-I{HERE}", f"-I{src}", f"-I{build}", "-o", str(binary)] + [str(u) for u in units]
