@@ -2,6 +2,7 @@
 // turns every C++ exception into a status plus the thread-local message, and never lets one escape.
 #include <cstring>
 #include <new>
+#include <stdexcept>
 
 #include "arena.h"
 #include "error.h"
@@ -31,6 +32,9 @@ template <typename F> conduit_status guard(F &&body) {
         set_last_error(e.what());
         log(CONDUIT_LOG_ERROR, "%s", e.what());
         return CONDUIT_ERR_DEVICE;
+    } catch (const std::invalid_argument &e) { // a kernel's own precondition check
+        set_last_error(e.what());
+        return CONDUIT_ERR_INVALID_ARGUMENT;
     } catch (const std::bad_alloc &) {
         set_last_error("host allocation failed");
         return CONDUIT_ERR_OUT_OF_MEMORY;
