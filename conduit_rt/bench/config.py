@@ -1,0 +1,94 @@
+"""The sizes of every benchmark: the issue's (``full``) and a shrunken set for smoke runs (``quick``)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSizes:
+    """Attention kernels over the arena (one layer unless said), bf16 on CUDA."""
+
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    decode_length: int = 32768                          # batch-1 decode ...
+    long_decode_length: int = 131072                    # ... and a long one
+    batch: int = 16                                     # batched decode: this many sequences ...
+    batch_length: int = 8192                            # ... of this many tokens each
+    compressed_length: int = 32768                      # VL-Cache-compressed decode: the full length ...
+    compressed_keep: float = 0.1                        # ... and the fraction kept
+    n_text_before: int = 128                            # scattered recompute / scoring layout: text,
+    n_visual: int = 8192                                # visual tokens,
+    n_text_after: int = 192                             # trailing text (the last n_text_queries of it query)
+    n_text_queries: int = 64
+    refresh: float = 0.1                                # visual tokens recomputed
+    prefill_chunk: int = 4096                           # queries of a prefill chunk (positions 0..chunk-1)
+    scoring_layers: int = 32
+    tokens_per_image: int = 576                         # images of the scoring layout (amplification)
+    topk_n: int = 100_000
+    topk_k: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class E2ESizes:
+    """End-to-end runs with the Runtime on a random-weight model (``synthetic.SHAPES``)."""
+
+    shape: str = "llava-1.5-7b"
+    n_images: int = 8
+    prefix_words: int = 16          # system text before the images (changed between requests)
+    question_words: int = 80        # the question after them
+    refresh: float = 0.1
+    decode_context: int = 4096      # prompt tokens of the decode run
+    decode_tokens: int = 128
+    long_context: int = 32768       # prompt tokens of the VL-Cache run
+    long_decode_tokens: int = 64
+    keep: float = 0.1
+    repeats: int = 5                # timed requests per measurement (median)
+    decode_repeats: int = 2
+    kv_cache_bytes: int = 40 << 30
+    image_cache_bytes: int = 6 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    device: torch.device
+    dtype: torch.dtype
+    kernels: KernelSizes
+    e2e: E2ESizes
+    warmup: int = 3
+    repeat: int = 20
+    ceiling_copy_bytes: int = 2 << 30
+    ceiling_matmul_n: int = 8192
+    quick: bool = False
+
+    def as_dict(self) -> dict:
+        return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "quick": self.quick,
+                "warmup": self.warmup, "repeat": self.repeat, "ceiling_copy_bytes": self.ceiling_copy_bytes,
+                "ceiling_matmul_n": self.ceiling_matmul_n, "kernels": dataclasses.asdict(self.kernels),
+                "e2e": dataclasses.asdict(self.e2e)}
+
+
+QUICK_KERNELS = KernelSizes(n_heads=8, n_kv_heads=2, head_dim=64, decode_length=256, long_decode_length=512, batch=2,
+                            batch_length=256, compressed_length=256, n_text_before=16, n_visual=200,
+                            n_text_after=24, n_text_queries=8, prefill_chunk=128, scoring_layers=2,
+                            tokens_per_image=50, topk_n=2000, topk_k=200)
+QUICK_E2E = E2ESizes(shape="tiny", n_images=3, prefix_words=4, question_words=8, decode_context=96, decode_tokens=4,
+                     long_context=192, long_decode_tokens=4, repeats=1, decode_repeats=1,
+                     kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
+
+
+def make_config(device: str, quick: bool) -> BenchConfig:
+    """The full sizes on a GPU (bf16); ``quick`` shrinks everything (float32 on the CPU)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if not quick:
+        return BenchConfig(dev, dtype, KernelSizes(), E2ESizes())
+    return BenchConfig(dev, dtype, QUICK_KERNELS, QUICK_E2E, warmup=1, repeat=3, ceiling_copy_bytes=16 << 20,
+                       ceiling_matmul_n=256, quick=True)

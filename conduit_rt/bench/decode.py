@@ -1,0 +1,110 @@
+"""Decode speed: our runtime at batch 1 against the bytes-per-token bound and transformers' generate,
+and VL-Cache against the uncompressed cache on a long context.
+
+Tokens/s is the runtime's own ``decode_tokens_per_s`` (first token sampled -> last, host clock, one
+host sync per token for sampling: what a caller streaming tokens sees). Transformers' rate is
+(generate(N) - generate(1)) / (N - 1) on the same prompt ids, so its prefill cancels out. Whether
+the decode step is graph-captured is read, not assumed: ``torch.cuda.CUDAGraph.replay`` calls are
+counted while our decode runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from conduit_rt.chat import build_prompt
+
+from . import synthetic
+from .timing import PeakMemory
+
+
+class GraphReplays:
+    """Counts ``torch.cuda.CUDAGraph.replay`` calls inside the block."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._cls = getattr(torch.cuda, "CUDAGraph", None)
+        self._original = None
+
+    def __enter__(self) -> "GraphReplays":
+        if self._cls is not None and hasattr(self._cls, "replay"):
+            self._original = self._cls.replay
+            original = self._original
+
+            def counted(graph, *args, **kwargs):
+                self.count += 1
+                return original(graph, *args, **kwargs)
+
+            self._cls.replay = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._original is not None:
+            self._cls.replay = self._original
+
+
+def prompt_tokens(e2e, messages: list[dict]) -> int:
+    a = e2e.runtime.assets
+    return len(build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
+                            e2e.model.config.tokens_per_image).token_ids)
+
+
+def ours(e2e) -> dict:
+    s = e2e.s
+    messages = synthetic.text_request(s.decode_context - prompt_tokens(e2e, synthetic.text_request(0, e2e.vocab, 5)),
+                                      e2e.vocab, 5)
+    rates = []
+    with GraphReplays() as replays:
+        for _ in range(s.decode_repeats):
+            result = e2e.request("decode", messages, max_tokens=s.decode_tokens)
+            rates.append(result.stats.decode_tokens_per_s)
+    steps = s.decode_repeats * (s.decode_tokens - 1)  # forward steps: every token after the first
+    return {"messages": messages, "prompt_tokens": result.stats.prompt_tokens, "tokens": s.decode_tokens,
+            "tokens_per_s": sorted(rates)[len(rates) // 2], "samples": rates, "graph_replays": replays.count,
+            "steps": steps}
+
+
+def transformers_generate(e2e, twin, messages: list[dict]) -> dict:
+    s = e2e.s
+    a = e2e.runtime.assets
+    ids = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, 0).token_ids
+    ids = torch.tensor([ids], device=e2e.device)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int):
+        return twin.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    with torch.no_grad(), PeakMemory(e2e.device) as peak:
+        long = e2e.timer.wall_time(lambda: generate(s.decode_tokens), repeat=s.decode_repeats, warmup=1)
+        short = e2e.timer.wall_time(lambda: generate(1), repeat=max(2, s.decode_repeats), warmup=0)
+    e2e.memory["transformers_generate"] = peak.as_dict()
+    seconds = max(long.median_s - short.median_s, 1e-9)
+    return {"tokens": s.decode_tokens, "generate_s": long.median_s, "generate_one_s": short.median_s,
+            "tokens_per_s": (s.decode_tokens - 1) / seconds}
+
+
+def vlcache(e2e) -> dict:
+    """A ``long_context`` prompt: a system document, the images, a question; 10% kept vs all."""
+    s = e2e.s
+
+    def long_request(document_words: int) -> list[dict]:
+        return synthetic.image_request(e2e.images, s.prefix_words, s.question_words, e2e.vocab, 6, document_words)
+
+    messages = long_request(max(0, s.long_context - prompt_tokens(e2e, long_request(0))))
+    out: dict = {"keep": s.keep}
+    for label, kwargs in (("full", {}), ("vlcache", {"compress": "vlcache", "keep": s.keep})):
+        rates, result = [], None
+        for _ in range(s.decode_repeats):
+            result = e2e.request(f"long_{label}", messages, max_tokens=s.long_decode_tokens, **kwargs)
+            rates.append(result.stats.decode_tokens_per_s)
+        st = result.stats
+        out[label] = {"tokens_per_s": sorted(rates)[len(rates) // 2], "samples": rates, "ttft_s": st.ttft_s,
+                      "prompt_tokens": st.prompt_tokens, "kv_bytes_end": st.kv_bytes,
+                      "kv_bytes_before_compress": st.kv_bytes_before_compress,
+                      "kv_bytes_after_compress": st.kv_bytes_after_compress}
+    return out
+
+
+def decode_runs(e2e, twin) -> dict:
+    mine = ours(e2e)
+    theirs = transformers_generate(e2e, twin, mine.pop("messages"))
+    return {"ours": mine, "transformers": theirs, "long": vlcache(e2e)}

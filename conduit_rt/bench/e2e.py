@@ -1,0 +1,239 @@
+"""End-to-end benchmarks: the Runtime on a LLaVA-1.5-7B-shaped model with random weights, built
+on the device (``models.random_init``), against Hugging Face transformers running the same decoder
+tensors (``synthetic.transformers_twin``).
+
+Requests (``synthetic``): ``first`` shows ``n_images`` random images after a system prefix, with a
+question; ``second`` shows the same images in another order under another prefix and question
+(~100 text tokens in all). Every timed request starts with the exact-prefix cache cleared, so a
+repeat never reuses its predecessor's sequence. The model never stops at EOS (the weights are
+random): every run generates the length asked for.
+
+  cold          fresh embedding and image-KV caches: vision tower + prefill (refresh None, and
+                refresh "conduit" with its isolated image fills)
+  warm          ``second`` after the images were seen: refresh "conduit" at ``refresh`` vs a full
+                prefill (refresh None); image embeddings come from the cache in both
+  breakdown     the warm requests again under ``breakdown.PhaseClock``
+  transformers  ``LlamaForCausalLM`` (SDPA) prefill of the same input embeddings; greedy generate
+  decode        a text prompt of ``decode_context`` tokens, ``decode_tokens`` generated
+  vlcache       a ``long_context`` prompt (document, images, question) with and without VL-Cache
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from conduit_rt.chat import build_prompt
+from conduit_rt.image_cache import EmbeddingCache
+from conduit_rt.models.base import ForwardBatch
+from conduit_rt.models.random_init import random_llava
+from conduit_rt.preprocess import image_key, to_rgb_array
+from conduit_rt.reuse import CHUNK
+from conduit_rt.runtime import Runtime
+
+from . import synthetic
+from .breakdown import PhaseClock
+from .config import E2ESizes
+from .decode import decode_runs
+from .targets import Target, at_least, at_most
+from .timing import PeakMemory, Timer
+
+logger = logging.getLogger(__name__)
+
+
+class EndToEnd:
+    def __init__(self, sizes: E2ESizes, timer: Timer, dtype: torch.dtype) -> None:
+        self.s, self.timer, self.device = sizes, timer, timer.device
+        text, vision = synthetic.llava_configs(sizes.shape, max_positions=max(65536, 2 * sizes.long_context))
+        model = random_llava(text, vision, self.device, dtype, seed=0)
+        model.assets = dataclasses.replace(model.assets, eos_token_ids=frozenset())  # always the asked length
+        self.model, self.vocab = model, text.vocab_size
+        self.runtime = Runtime.from_model(model, kv_cache_bytes=sizes.kv_cache_bytes,
+                                          image_cache_bytes=sizes.image_cache_bytes)
+        self.images = synthetic.random_images(sizes.n_images, vision.image_size, seed=10)
+        shuffled = [self.images[i] for i in torch.randperm(sizes.n_images, generator=torch.Generator().manual_seed(4))]
+        self.first = synthetic.image_request(self.images, sizes.prefix_words, sizes.question_words, self.vocab, 1)
+        self.second = synthetic.image_request(shuffled, sizes.prefix_words + 3, sizes.question_words, self.vocab, 2)
+        self.memory: dict[str, dict] = {}
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def request(self, label: str, messages: list[dict], **kwargs):
+        """One request with the exact-prefix cache cleared; records its peak memory under ``label``."""
+        self.runtime.prefix_cache.clear()
+        with PeakMemory(self.device, self.runtime.arena.kv_bytes) as peak:
+            result = self.runtime.generate(messages, **kwargs)
+        self.memory[label] = peak.as_dict() | {"request_kv_bytes": result.stats.kv_bytes}
+        return result
+
+    def forget_images(self) -> None:
+        """Empties the embedding cache and evicts the images' KV: the next request sees them cold."""
+        a = self.runtime.assets
+        for image in self.images:
+            key = image_key(to_rgb_array(image), a.preprocess.as_dict(), a.vision_model_id)
+            if self.runtime.arena.has_image(key):
+                self.runtime.arena.evict_image(key)
+        self.runtime.embeddings = EmbeddingCache(self.runtime.embeddings.max_bytes)
+
+    def ttft(self, label: str, messages: list[dict], repeats: int, cold: bool = False, **kwargs) -> dict:
+        samples, result = [], None
+        for _ in range(repeats):
+            if cold:
+                self.forget_images()
+            result = self.request(label, messages, max_tokens=1, **kwargs)
+            samples.append(result.stats.ttft_s)
+        samples.sort()
+        s = result.stats
+        return {"ttft_s": samples[len(samples) // 2], "samples_s": samples, "prompt_tokens": s.prompt_tokens,
+                "visual_tokens": s.visual_tokens, "refreshed_tokens": s.refreshed_tokens,
+                "prefill_flops_ratio": s.prefill_flops_ratio, "image_hits": s.image_hits}
+
+    def phases(self, label: str, messages: list[dict], repeats: int, **kwargs) -> dict:
+        runs = []
+        for _ in range(repeats):
+            with PhaseClock(self.model, self.device) as clock:
+                result = self.request(label, messages, max_tokens=1, **kwargs)
+            runs.append(clock.phases(result.stats.ttft_s))
+        return {phase: sorted(r[phase] for r in runs)[len(runs) // 2] for phase in runs[0]}
+
+    def embeddings(self, messages: list[dict]) -> tuple[list[int], torch.Tensor]:
+        """The prompt's ids and input embeddings [n, hidden] through the model's public calls."""
+        a, m = self.runtime.assets, self.model
+        prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, m.config.tokens_per_image)
+        embeds = m.embed_tokens(torch.tensor(prompt.token_ids, device=self.device))
+        images = [part["image"] for message in messages if isinstance(message["content"], list)
+                  for part in message["content"] if part["type"] == "image"]
+        for slot in prompt.image_slots:
+            (features,) = m.encode_images([m.prepare_image(to_rgb_array(images[slot.image_index]))])
+            embeds[slot.start: slot.start + slot.n_tokens] = features
+        return prompt.token_ids, embeds
+
+    # -- the runs -------------------------------------------------------------------------------
+    def reuse(self) -> dict:
+        s, cold_repeats = self.s, max(1, min(3, self.s.repeats))
+        out = {"cold_full": self.ttft("cold_full", self.first, cold_repeats, cold=True),
+               "cold_conduit": self.ttft("cold_conduit", self.first, cold_repeats, cold=True, refresh="conduit",
+                                         refresh_budget=s.refresh)}
+        out["warm_conduit"] = self.ttft("warm_conduit", self.second, s.repeats, refresh="conduit",
+                                        refresh_budget=s.refresh)
+        out["warm_full"] = self.ttft("warm_full", self.second, s.repeats)
+        out["breakdown_conduit"] = self.phases("warm_conduit_timed", self.second, s.repeats, refresh="conduit",
+                                               refresh_budget=s.refresh)
+        out["breakdown_full"] = self.phases("warm_full_timed", self.second, s.repeats)
+        return out
+
+    def transformers_prefill(self, twin) -> dict:
+        """The twin's prefill of ``second``'s embeddings (last-token logits only), and logits parity."""
+        _, embeds = self.embeddings(self.second)
+        with torch.no_grad(), PeakMemory(self.device) as peak:
+            timing = self.timer.wall_time(lambda: twin(inputs_embeds=embeds[None], use_cache=True, logits_to_keep=1),
+                                          repeat=self.s.repeats, warmup=1)
+            reference = twin(inputs_embeds=embeds[None], use_cache=True, logits_to_keep=1).logits[0, -1].float()
+        self.memory["transformers_prefill"] = peak.as_dict()
+        ours = self.request("full_prefill_logits", self.second, max_tokens=1, return_logits=True).logits[0]
+        rel = float((ours.to(reference.device) - reference).norm() / reference.norm())
+        return {"seconds": timing.median_s, "time": timing.as_dict(), "tokens": int(embeds.shape[0]),
+                "logits_rel_err_vs_ours": rel}
+
+    def decoder_prefill(self, n_tokens: int) -> dict:
+        """Decoder-only prefill of n random embeddings in the runtime's chunks (the scoring reference)."""
+        m = self.model
+        embeds = torch.randn(n_tokens, m.config.hidden, dtype=m.dtype, device=self.device) * 0.02
+
+        def prefill() -> None:
+            seq = self.runtime.arena.new_sequence()
+            try:
+                for lo in range(0, n_tokens, CHUNK):
+                    hi = min(n_tokens, lo + CHUNK)
+                    seq.append(torch.arange(lo, hi, dtype=torch.int32))
+                    hidden = m.forward(seq, embeds[lo:hi], ForwardBatch.contiguous(lo, hi, self.device))
+                m.logits(hidden[-1:])
+            finally:
+                seq.free()
+
+        self.runtime.prefix_cache.clear()
+        timing = self.timer.wall_time(prefill, repeat=max(1, min(3, self.s.repeats)), warmup=1)
+        return {"tokens": n_tokens, "seconds": timing.median_s, "time": timing.as_dict()}
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of decoder weights one decode step reads: every decoder parameter except the embedding
+    table (one row of it is read)."""
+    lm = model.language_model
+    total = sum(p.numel() * p.element_size() for p in lm.parameters())
+    table = lm.embed_tokens.weight
+    return total - table.numel() * table.element_size() + table.shape[1] * table.element_size()
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+
+
+def run(sizes: E2ESizes, timer: Timer, dtype: torch.dtype, copy_bytes_per_s: float,
+        scoring_prefill_tokens: int) -> tuple[dict, list[Target], dict]:
+    """Every end-to-end run; returns (raw numbers, target rows, peak memory per run)."""
+    e2e = EndToEnd(sizes, timer, dtype)
+    twin = synthetic.transformers_twin(e2e.model)
+    raw = {"model": {"shape": sizes.shape, "weight_bytes_per_token": weight_bytes_per_token(e2e.model),
+                     "kv_bytes_per_token": kv_bytes_per_token(e2e.model)}}
+    logger.info("end-to-end: reuse")
+    raw["reuse"] = e2e.reuse()
+    logger.info("end-to-end: transformers prefill")
+    raw["transformers_prefill"] = e2e.transformers_prefill(twin)
+    raw["scoring_prefill"] = e2e.decoder_prefill(scoring_prefill_tokens)
+    logger.info("end-to-end: decode")
+    raw["decode"] = decode_runs(e2e, twin)
+    raw["decode"]["bound_tokens_per_s"] = decode_bound(raw, copy_bytes_per_s)
+    memory = dict(e2e.memory)
+    e2e.runtime.prefix_cache.clear()
+    e2e.runtime.arena.close()
+    return raw, rows(raw), memory
+
+
+def decode_bound(raw: dict, copy_bytes_per_s: float) -> float:
+    """Tokens/s if every step read the weights and the mean context's KV at the copy bandwidth."""
+    d, m = raw["decode"]["ours"], raw["model"]
+    mean_context = d["prompt_tokens"] + d["tokens"] / 2
+    return copy_bytes_per_s / (m["weight_bytes_per_token"] + mean_context * m["kv_bytes_per_token"])
+
+
+def rows(raw: dict) -> list[Target]:
+    r, hf = raw["reuse"], raw["transformers_prefill"]
+    conduit, full = r["warm_conduit"], r["warm_full"]
+    bc, bf = r["breakdown_conduit"], r["breakdown_full"]
+    d, ours = raw["decode"], raw["decode"]["ours"]
+    long_full, long_vl = d["long"]["full"], d["long"]["vlcache"]
+    n_img = f"{conduit['image_hits']} seen images"
+    return [
+        at_least("ttft.vs_full_prefill", f"TTFT, {n_img} under a changed prefix and order, conduit r={r_of(conduit)}",
+                 conduit["ttft_s"] * 1e3, full["ttft_s"] * 1e3, "ms", 4.0, "full-prefill TTFT / conduit TTFT",
+                 f"{conduit['prompt_tokens']} prompt tokens, {conduit['refreshed_tokens']} of "
+                 f"{conduit['visual_tokens']} visual refreshed, prefill FLOPs {conduit['prefill_flops_ratio']:.3f} "
+                 f"of full; cold (vision tower): full {r['cold_full']['ttft_s'] * 1e3:.0f} ms, conduit "
+                 f"{r['cold_conduit']['ttft_s'] * 1e3:.0f} ms", invert=True),
+        at_least("prefill.vs_transformers", "full prefill (decoder) vs transformers SDPA, same embeddings",
+                 bf["prefill"] * 1e3, hf["seconds"] * 1e3, "ms", 1.0, "transformers time / our time",
+                 f"{hf['tokens']} tokens; logits rel err vs ours {hf['logits_rel_err_vs_ours']:.1e}", invert=True),
+        at_most("scoring_e2e.vs_prefill", "CONDUIT scoring + selection in the request vs its full prefill",
+                (bc["scoring"] + bc["selection"]) * 1e3, bf["prefill"] * 1e3, "ms", 0.05,
+                "(scoring + selection) / full prefill (decoder)", "from the instrumented requests"),
+        at_least("decode.vs_bound", f"decode batch 1, {ours['prompt_tokens']}-token context: tokens/s vs bound",
+                 ours["tokens_per_s"], d["bound_tokens_per_s"], "tok/s", 0.85,
+                 "our tokens/s / (copy bandwidth / bytes read per token)", "bytes: decoder weights + mean context KV"),
+        at_least("decode.vs_transformers", "decode batch 1 vs transformers generate", ours["tokens_per_s"],
+                 d["transformers"]["tokens_per_s"], "tok/s", 2.0, "our tokens/s / transformers'",
+                 f"{ours['tokens']} tokens generated"),
+        at_least("decode.graph_captured", "decode step graph-captured (CUDA graph replays per step)",
+                 float(ours["graph_replays"]), float(ours["steps"]), "replays", 1.0, "graph replays / decode steps",
+                 "counts torch.cuda.CUDAGraph.replay during our decode"),
+        at_least("vlcache.speed", f"VL-Cache keep {d['long']['keep']:g}, {long_full['prompt_tokens']}-token context: "
+                 "decode tokens/s", long_vl["tokens_per_s"], long_full["tokens_per_s"], "tok/s", 2.0,
+                 "compressed tokens/s / uncompressed"),
+        at_most("vlcache.kv_bytes", "VL-Cache: prompt KV bytes kept", long_vl["kv_bytes_after_compress"] / 2**20,
+                long_vl["kv_bytes_before_compress"] / 2**20, "MiB", 0.12, "bytes after / before compression"),
+    ]
+
+
+def r_of(run: dict) -> str:
+    return f"{run['refreshed_tokens'] / run['visual_tokens']:.2f}" if run["visual_tokens"] else "n/a"

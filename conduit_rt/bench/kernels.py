@@ -1,0 +1,211 @@
+"""Attention kernels over the native arena against torch SDPA on the same data, laid out contiguously.
+
+Each benchmark fills a one-layer arena with random K, V (positions = slots = 0..n-1), times
+``Sequence.attention`` with ``Timer.device_time`` and checks its output against a float32
+reference (a wrong kernel fails its rows however fast it is):
+
+- ``decode``: one query at position n-1 over n keys; effective bandwidth = K+V bytes / time.
+  The batched case calls ``Sequence.attention`` once per sequence (the runtime has no batched
+  call); SDPA gets the whole batch in one call.
+- ``compressed``: the same sequence, compacted to a random ``keep`` of its slots (VL-Cache's
+  per-layer compaction), timed again.
+- ``recompute``: CONDUIT's recompute queries, ``refresh`` of the visual tokens plus the last text
+  tokens, causal by position; ``prefill``: a chunk of queries at positions 0..n-1. Useful FLOPs
+  count only visible (query, key) pairs, 4 H d per pair; the reference is SDPA on a square causal
+  problem over the same number of keys (flash, cuDNN: the faster).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conduit_rt.arena import KVArena
+
+from . import sdpa
+from .config import KernelSizes
+from .targets import Target, at_least, at_most
+from .timing import Timer
+
+BLOCK = 16
+
+
+class KernelBench:
+    """Shared state of the kernel benchmarks: sizes, dtype, timer and a seeded generator."""
+
+    def __init__(self, timer: Timer, sizes: KernelSizes, dtype: torch.dtype, seed: int = 0) -> None:
+        self.timer, self.s, self.dtype = timer, sizes, dtype
+        self.device = timer.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.scale = sizes.head_dim**-0.5
+        self.elem = torch.tensor([], dtype=dtype).element_size()
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=self.dtype, device=self.device, generator=self.generator)
+
+    def token_bytes(self, n_layers: int = 1) -> int:
+        """K + V bytes of one token over ``n_layers`` layers."""
+        return 2 * self.s.n_kv_heads * self.s.head_dim * self.elem * n_layers
+
+    def arena(self, n_tokens: int, n_seqs: int = 1, n_layers: int = 1) -> KVArena:
+        blocks = n_seqs * (math.ceil(n_tokens / BLOCK) + 1) + 8
+        return KVArena(n_layers=n_layers, n_kv_heads=self.s.n_kv_heads, head_dim=self.s.head_dim, dtype=self.dtype,
+                       device=self.device, block_size=BLOCK, kv_bytes=blocks * BLOCK * self.token_bytes(n_layers))
+
+    def filled(self, arena: KVArena, n: int, n_layers: int = 1):
+        """A sequence of n tokens with random K, V in every layer; returns (seq, [k], [v]) per layer."""
+        seq = arena.new_sequence()
+        seq.append(torch.arange(n, dtype=torch.int32))
+        ks, vs = [], []
+        for layer in range(n_layers):
+            k, v = self.randn(n, self.s.n_kv_heads, self.s.head_dim), self.randn(n, self.s.n_kv_heads, self.s.head_dim)
+            seq.write_kv(layer, k, v)
+            ks.append(k)
+            vs.append(v)
+        return seq, ks, vs
+
+    def positions(self, values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int32).to(self.device)
+
+    def rel_err(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                k_pos: torch.Tensor | None = None) -> float:
+        """Our output against the float32 reference (keys at positions 0..n-1 unless ``k_pos``)."""
+        k_pos = self.positions(range(k.shape[0])) if k_pos is None else k_pos
+        return sdpa.relative_error(out, sdpa.reference_attention(q, k, v, q_pos, k_pos, self.scale))
+
+    # -- decode ---------------------------------------------------------------------------------
+    def decode(self, n: int, batch: int = 1) -> dict:
+        """One query per sequence at position n-1 over n keys, ``batch`` sequences."""
+        s = self.s
+        arena = self.arena(n, batch)
+        try:
+            filled = [self.filled(arena, n) for _ in range(batch)]
+            seqs = [f[0] for f in filled]
+            q = self.randn(batch, 1, s.n_heads, s.head_dim)
+            q_pos = self.positions([n - 1])
+            outs: list = [None] * batch
+
+            def ours() -> None:
+                for b, seq in enumerate(seqs):
+                    outs[b] = seq.attention(0, q[b], q_pos, self.scale)
+
+            timing = self.timer.device_time(ours)
+            host_s = self.timer.host_time(ours)
+            rel_err = self.rel_err(outs[0], q[0], filled[0][1][0], filled[0][2][0], q_pos)
+            k = torch.stack([f[1][0].transpose(0, 1) for f in filled]).contiguous()  # [B, H_kv, n, d]
+            v = torch.stack([f[2][0].transpose(0, 1) for f in filled]).contiguous()
+            del filled
+            q_dense = q.transpose(1, 2).contiguous()  # [B, H, 1, d]
+            reference = sdpa.time_backends(self.timer, q_dense, k, v, False, sdpa.DECODE_BACKENDS)
+        finally:
+            arena.close()
+        kv_bytes = batch * n * self.token_bytes()
+        return {"length": n, "batch": batch, "seconds": timing.median_s, "time": timing.as_dict(), "host_s": host_s,
+                "kv_bytes": kv_bytes, "bytes_per_s": kv_bytes / timing.median_s, "rel_err": rel_err,
+                "sdpa": reference}
+
+    def compressed(self, n: int, keep: float) -> dict:
+        """Decode over n tokens, then over a random ``keep`` of them after compaction."""
+        s = self.s
+        arena = self.arena(n)
+        try:
+            seq, (k,), (v,) = self.filled(arena, n)
+            q = self.randn(1, s.n_heads, s.head_dim)
+            q_pos = self.positions([n - 1])
+            full = self.timer.device_time(lambda: seq.attention(0, q, q_pos, self.scale))
+            kept = torch.randperm(n, generator=torch.Generator().manual_seed(1))[: max(1, round(keep * n))]
+            kept = torch.sort(kept).values
+            seq.compact(0, kept)
+            out: list = [None]
+            compact = self.timer.device_time(lambda: out.__setitem__(0, seq.attention(0, q, q_pos, self.scale)))
+            idx = kept.to(self.device)
+            rel_err = self.rel_err(out[0], q, k[idx], v[idx], q_pos, idx)
+        finally:
+            arena.close()
+        return {"length": n, "kept": int(kept.numel()), "full_seconds": full.median_s, "seconds": compact.median_s,
+                "time": compact.as_dict(), "full_time": full.as_dict(), "rel_err": rel_err}
+
+    # -- many queries ---------------------------------------------------------------------------
+    def many_queries(self, n_keys: int, q_positions: list[int]) -> dict:
+        """Queries at ``q_positions`` over n_keys keys, and SDPA on a square causal problem of n_keys."""
+        s = self.s
+        arena = self.arena(n_keys)
+        try:
+            seq, (k,), (v,) = self.filled(arena, n_keys)
+            q = self.randn(len(q_positions), s.n_heads, s.head_dim)
+            q_pos = self.positions(q_positions)
+            out: list = [None]
+            timing = self.timer.device_time(lambda: out.__setitem__(0, seq.attention(0, q, q_pos, self.scale)))
+            rel_err = self.rel_err(out[0], q, k, v, q_pos)
+            dense_q = self.randn(1, s.n_heads, n_keys, s.head_dim)
+            backends = sdpa.PREFILL_BACKENDS + (("math",) if not self.timer.is_cuda else ())
+            reference = sdpa.time_backends(self.timer, dense_q, k.transpose(0, 1)[None].contiguous(),
+                                           v.transpose(0, 1)[None].contiguous(), True, backends)
+        finally:
+            arena.close()
+        per_pair = 4.0 * s.n_heads * s.head_dim
+        flops = per_pair * sum(p + 1 for p in q_positions)
+        dense_flops = per_pair * n_keys * (n_keys + 1) / 2
+        best, best_s = sdpa.fastest(reference, among=("flash", "cudnn"))
+        return {"n_keys": n_keys, "n_queries": len(q_positions), "seconds": timing.median_s, "time": timing.as_dict(),
+                "useful_flops": flops, "flop_per_s": flops / timing.median_s, "rel_err": rel_err,
+                "dense_flops": dense_flops, "sdpa": reference, "sdpa_best": best,
+                "sdpa_flop_per_s": dense_flops / best_s}
+
+    def recompute_positions(self) -> tuple[int, list[int]]:
+        """(n_keys, sorted query positions): ``refresh`` of the visual tokens + the last text tokens."""
+        s = self.s
+        n_keys = s.n_text_before + s.n_visual + s.n_text_after
+        n_chosen = math.ceil(s.refresh * s.n_visual)
+        chosen = torch.randperm(s.n_visual, generator=torch.Generator().manual_seed(2))[:n_chosen] + s.n_text_before
+        text = range(n_keys - s.n_text_queries, n_keys)
+        return n_keys, sorted(chosen.tolist()) + list(text)
+
+
+def _fmt(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def run(timer: Timer, sizes: KernelSizes, dtype: torch.dtype, copy_bytes_per_s: float) -> tuple[dict, list[Target]]:
+    """Every kernel benchmark; returns the raw numbers and the target rows."""
+    bench = KernelBench(timer, sizes, dtype)
+    raw = {
+        "decode": bench.decode(sizes.decode_length),
+        "decode_long": bench.decode(sizes.long_decode_length),
+        "decode_batch": bench.decode(sizes.batch_length, sizes.batch),
+        "compressed": bench.compressed(sizes.compressed_length, sizes.compressed_keep),
+        "recompute": bench.many_queries(*bench.recompute_positions()),
+        "prefill": bench.many_queries(sizes.prefill_chunk, list(range(sizes.prefill_chunk))),
+    }
+    rows: list[Target] = []
+    for key in ("decode", "decode_long", "decode_batch"):
+        rows += decode_rows(key, raw[key], copy_bytes_per_s)
+    c = raw["compressed"]
+    rows.append(at_most(
+        "compressed.vs_full", f"decode over VL-Cache-compressed KV ({c['kept']} of {_fmt(c['length'])} kept)",
+        c["seconds"] * 1e3, c["full_seconds"] * 1e3, "ms", 0.15, "compressed time / full-cache time",
+        f"rel err {c['rel_err']:.1e}", valid=sdpa.is_correct(c["rel_err"])))
+    for key, label in (("recompute", "scattered recompute queries"), ("prefill", "prefill chunk")):
+        r = raw[key]
+        rows.append(at_least(
+            f"{key}.vs_sdpa", f"{label} ({r['n_queries']} queries over {_fmt(r['n_keys'])} keys): useful TFLOP/s",
+            r["flop_per_s"] / 1e12, r["sdpa_flop_per_s"] / 1e12, "TFLOP/s", 0.6,
+            "our useful rate / SDPA's on a square causal problem of n_keys",
+            f"SDPA {r['sdpa_best']}; rel err {r['rel_err']:.1e}", valid=sdpa.is_correct(r["rel_err"])))
+    return raw, rows
+
+
+def decode_rows(key: str, r: dict, copy_bytes_per_s: float) -> list[Target]:
+    """Bandwidth against the copy ceiling, and time against the fastest SDPA backend."""
+    what = f"decode attention, batch {r['batch']} x {_fmt(r['length'])}"
+    valid = sdpa.is_correct(r["rel_err"])
+    per_call = " (one call per sequence; SDPA one batched call)" if r["batch"] > 1 else ""
+    best, best_s = sdpa.fastest(r["sdpa"])
+    layout = r["sdpa"].get(best, {}).get("layout", "")
+    return [
+        at_least(f"{key}.bandwidth", f"{what}: effective bandwidth", r["bytes_per_s"] / 1e9, copy_bytes_per_s / 1e9,
+                 "GB/s", 0.85, "K+V bytes / time, over the copy bandwidth", f"rel err {r['rel_err']:.1e}{per_call}",
+                 valid=valid),
+        at_least(f"{key}.vs_sdpa", f"{what}: time vs torch SDPA", r["seconds"] * 1e3, best_s * 1e3, "ms", 1.5,
+                 "fastest SDPA time / our time", f"SDPA {best} ({layout}){per_call}", invert=True, valid=valid),
+    ]

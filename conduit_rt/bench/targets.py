@@ -1,0 +1,97 @@
+"""Target rows: what was measured, against which reference, the ratio and whether it meets the issue.
+
+Every row compares a ratio with a threshold, ``>=`` or ``<=``; ``ratio`` is spelled out per row
+(for example "reference time / our time"), so that a row reads without the code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+# every row a full run produces, in report order, with what it measures
+ROWS: dict[str, str] = {
+    "decode.bandwidth": "decode attention over the arena (one query at the last position) at batch 1 x 32K: "
+                        "K+V bytes read / kernel time, against the copy bandwidth",
+    "decode.vs_sdpa": "the same kernel time against the fastest torch SDPA backend (flash, cuDNN, efficient, math) "
+                      "on the same K/V laid out [B, H_kv, n, d] (enable_gqa, or K/V expanded where a backend needs it)",
+    "decode_long.bandwidth": "as decode.bandwidth at batch 1 x 128K",
+    "decode_long.vs_sdpa": "as decode.vs_sdpa at batch 1 x 128K",
+    "decode_batch.bandwidth": "as decode.bandwidth at batch 16 x 8K: one Sequence.attention call per sequence",
+    "decode_batch.vs_sdpa": "as decode.vs_sdpa at batch 16 x 8K (SDPA takes the batch in one call)",
+    "compressed.vs_full": "decode over the 32K sequence compacted to a random 10% of its slots, against the same "
+                          "sequence uncompacted",
+    "recompute.vs_sdpa": "CONDUIT's recompute queries (10% of 8K visual tokens + 64 text queries over ~8.5K keys, "
+                         "causal by position): useful TFLOP/s (visible pairs only) against SDPA (flash or cuDNN, "
+                         "the faster) on a square causal problem over the same keys",
+    "prefill.vs_sdpa": "a 4K-query prefill chunk (positions 0..4095): the same comparison, on identical problems",
+    "scoring.vs_prefill": "CONDUIT scoring over 32 layers (64 query rows, 8K visual tokens: native attention "
+                          "statistics, value norms, amplification) + global top-k, against a decoder-only full "
+                          "prefill of as many tokens on the 7B-shaped model",
+    "topk.vs_torch": "the selection's top-k (refresh.top_k_indices) of 100K scores, k = 10K, against torch.topk",
+    "ttft.vs_full_prefill": "TTFT of 8 seen images shown again under a changed prefix and order (~100 text tokens), "
+                            "refresh conduit at 10%, against our full prefill of the same request (image embeddings "
+                            "cached in both); the cold TTFTs (vision tower) are in the detail",
+    "prefill.vs_transformers": "our full prefill (decoder) against transformers' LlamaForCausalLM (SDPA) on the same "
+                               "input embeddings and the same weight tensors",
+    "scoring_e2e.vs_prefill": "scoring + selection inside the TTFT request (instrumented) against its full prefill",
+    "decode.vs_bound": "decode tokens/s at batch 1 with a 4K context against copy bandwidth / (decoder weight bytes "
+                       "+ mean context KV bytes)",
+    "decode.vs_transformers": "the same tokens/s against transformers' greedy generate, "
+                              "(generate(N) - generate(1)) / (N - 1)",
+    "decode.graph_captured": "CUDA graph replays per decode step during our decode",
+    "vlcache.speed": "decode tokens/s with VL-Cache at 10% keep against the uncompressed cache, 32K context",
+    "vlcache.kv_bytes": "the prompt's KV bytes after VL-Cache compression over before",
+}
+ROW_KEYS = tuple(ROWS)
+ROW_FIELDS = ("key", "name", "measured", "reference", "unit", "ratio", "ratio_is", "target", "passed", "detail")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    key: str           # stable id of the row (the same at every size), e.g. "decode.vs_sdpa"
+    name: str          # what the row checks, with its sizes
+    measured: float    # our number, in ``unit``
+    reference: float   # what it is compared with, in ``unit``
+    unit: str
+    ratio: float
+    ratio_is: str      # how the ratio is formed, e.g. "SDPA time / our time"
+    target: str        # ">= 1.5" or "<= 0.15"
+    passed: bool
+    detail: str = ""   # sizes, backends, caveats
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if _finite(a) and _finite(b) and b != 0 else float("nan")
+
+
+def at_least(key: str, name: str, measured: float, reference: float, unit: str, threshold: float, ratio_is: str,
+             detail: str = "", invert: bool = False, valid: bool = True) -> Target:
+    """Passes when ratio >= threshold; ratio = measured / reference, or reference / measured with
+    ``invert`` (times: faster is smaller). ``valid`` False (a wrong result) fails the row."""
+    ratio = _ratio(reference, measured) if invert else _ratio(measured, reference)
+    passed = valid and _finite(ratio) and ratio >= threshold
+    return Target(key, name, measured, reference, unit, ratio, ratio_is, f">= {threshold:g}", passed, detail)
+
+
+def at_most(key: str, name: str, measured: float, reference: float, unit: str, threshold: float, ratio_is: str,
+            detail: str = "", valid: bool = True) -> Target:
+    """Passes when ratio = measured / reference <= threshold."""
+    ratio = _ratio(measured, reference)
+    passed = valid and _finite(ratio) and ratio <= threshold
+    return Target(key, name, measured, reference, unit, ratio, ratio_is, f"<= {threshold:g}", passed, detail)
+
+
+def with_missing(rows: list[Target], errors: dict[str, str]) -> list[Target]:
+    """``rows`` in ``ROW_KEYS`` order, a failing placeholder for each key no section produced."""
+    by_key = {r.key: r for r in rows}
+    why = "; ".join(f"{section}: {error}" for section, error in errors.items()) or "not measured"
+    nan = float("nan")
+    return [by_key.get(key) or Target(key, key, nan, nan, "", nan, "", "", False, f"not measured ({why})")
+            for key in ROW_KEYS] + [r for r in rows if r.key not in ROW_KEYS]

@@ -1,0 +1,117 @@
+"""The benchmark suite's smoke run: ``conduit bench --quick --device cpu`` runs every section on tiny
+shapes and writes a report holding every field. Nothing here is timed as a pass criterion: CPU
+numbers are noise. What is checked by value: the kernels' outputs against a float32 torch
+reference, and the random-weight model's logits against transformers running the same tensors.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conduit_rt import reuse
+from conduit_rt.bench.breakdown import PHASES, PhaseClock
+from conduit_rt.bench.targets import ROW_FIELDS, ROW_KEYS, at_least, at_most
+from conduit_rt.cli import main
+
+KERNEL_RUNS = ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill", "scoring", "topk")
+MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill", "decode",
+               "transformers_generate", "long_full", "long_vlcache")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    status = main(["bench", "--quick", "--device", "cpu", "--out", str(out), "--quiet"])
+    return status, out, json.loads((out / "benchmarks.json").read_text())
+
+
+def test_quick_run_succeeds_with_every_target_row(report):
+    status, _, data = report
+    assert status == 0 and data["errors"] == {}
+    assert [row["key"] for row in data["targets"]] == list(ROW_KEYS)
+    for row in data["targets"]:
+        assert set(row) == set(ROW_FIELDS)
+        assert math.isfinite(row["measured"]) and math.isfinite(row["reference"]), row["key"]
+        assert isinstance(row["passed"], bool) and row["target"].split()[0] in (">=", "<=")
+    assert data["summary"]["total"] == len(ROW_KEYS)
+    for section in ("command", "environment", "config", "ceilings", "kernels", "e2e", "memory", "wall_s"):
+        assert section in data
+    assert data["ceilings"]["copy"]["bytes_per_s"] > 0 and data["ceilings"]["matmul"]["flop_per_s"] > 0
+
+
+def test_kernels_match_a_float32_reference(report):
+    kernels = report[2]["kernels"]
+    assert set(KERNEL_RUNS) <= set(kernels)
+    for name in ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill"):
+        assert kernels[name]["rel_err"] < 1e-4, name  # float32 on the CPU
+        assert kernels[name]["seconds"] > 0
+    for name in ("decode", "decode_long", "decode_batch", "recompute", "prefill"):
+        assert any("seconds" in backend for backend in kernels[name]["sdpa"].values()), name
+    assert kernels["topk"]["same_indices"]
+    assert kernels["scoring"]["selected"] == kernels["scoring"]["budget"] > 0
+
+
+def test_end_to_end_runs_are_all_reported(report):
+    e2e, memory = report[2]["e2e"], report[2]["memory"]
+    # the random-weight model and transformers run the same tensors: the same logits
+    assert e2e["transformers_prefill"]["logits_rel_err_vs_ours"] < 1e-4
+    reuse_runs = e2e["reuse"]
+    assert reuse_runs["warm_conduit"]["refreshed_tokens"] > 0
+    assert reuse_runs["warm_conduit"]["image_hits"] == report[2]["config"]["e2e"]["n_images"]
+    for key in ("breakdown_conduit", "breakdown_full"):
+        assert set(PHASES) <= set(reuse_runs[key])
+    assert reuse_runs["breakdown_conduit"]["recompute"] > 0 and reuse_runs["breakdown_full"]["recompute"] == 0
+    decode = e2e["decode"]
+    assert decode["ours"]["tokens_per_s"] > 0 and decode["transformers"]["tokens_per_s"] > 0
+    long = decode["long"]
+    assert 0 < long["vlcache"]["kv_bytes_after_compress"] < long["vlcache"]["kv_bytes_before_compress"]
+    assert long["full"]["prompt_tokens"] == report[2]["config"]["e2e"]["long_context"]
+    for run in MEMORY_RUNS:
+        assert set(memory[run]) >= {"torch_peak_bytes", "arena_bytes", "total_bytes"}
+
+
+def test_markdown_page_and_plots(report):
+    _, out, data = report
+    page = (out / "benchmarks.md").read_text()
+    assert data["command"] in page
+    for row in data["targets"]:
+        assert row["name"] in page
+    pytest.importorskip("matplotlib")
+    assert len(data["plots"]) == 4
+    for plot in data["plots"]:
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_phase_clock_puts_the_methods_back():
+    before = (reuse.ReusePass.run, reuse.ReusePass._forward, reuse._PassScores.attention)
+
+    class Model:
+        def forward(self, *args):
+            return args
+
+    model = Model()
+    with PhaseClock(model, "cpu"):
+        assert reuse.ReusePass.run is not before[0]
+        assert model.forward(1) == (1,)  # not under a prefill: passed through untimed
+    assert (reuse.ReusePass.run, reuse.ReusePass._forward, reuse._PassScores.attention) == before
+    assert "forward" not in vars(model)
+
+
+def test_target_rows_compare_ratios_both_ways():
+    faster = at_least("k", "n", measured=2.0, reference=5.0, unit="ms", threshold=2.0, ratio_is="", invert=True)
+    assert faster.ratio == 2.5 and faster.passed
+    assert not at_least("k", "n", 2.0, 5.0, "ms", 2.0, "", invert=True, valid=False).passed
+    smaller = at_most("k", "n", measured=1.0, reference=5.0, unit="ms", threshold=0.15, ratio_is="")
+    assert smaller.ratio == 0.2 and not smaller.passed
+    assert not at_least("k", "n", float("nan"), 1.0, "x", 0.5, "").passed
+
+
+def test_docs_page_describes_every_row():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    assert "python3 -m conduit_rt.bench" in page
+    for key in ROW_KEYS:
+        assert f"`{key}`" in page
