@@ -82,7 +82,7 @@ def run(config: BenchConfig, skip: list[str], command: str) -> tuple[dict, list[
     torch.manual_seed(0)
     timer = Timer(config.device, config.warmup, config.repeat)
     result: dict = {"command": command, "environment": environment(config), "config": config.as_dict(),
-                    "kernels": {}, "e2e": {}, "memory": {}, "errors": {}}
+                    "kernels": {}, "e2e": {}, "memory": {}, "errors": {}, "skipped": list(skip)}
     errors, rows = result["errors"], []
     result["ceilings"] = ceilings.measure(timer, config.ceiling_copy_bytes, config.ceiling_matmul_n, config.dtype)
     copy_bw = result["ceilings"]["copy"]["bytes_per_s"]
@@ -91,17 +91,20 @@ def run(config: BenchConfig, skip: list[str], command: str) -> tuple[dict, list[
         if found:
             result["kernels"].update(found[0])
             rows += found[1]
+            errors.update(found[2])
     if "scoring" not in skip:
         found = _section("scoring", errors, lambda: scoring.run(timer, config.kernels, config.dtype))
         if found:
             result["kernels"].update(found[0])
             rows += found[1]
+            errors.update(found[2])
     if "e2e" not in skip:
         n_keys = config.kernels.n_text_before + config.kernels.n_visual + config.kernels.n_text_queries
         found = _section("e2e", errors, lambda: e2e.run(config.e2e, timer, config.dtype, copy_bw, n_keys))
         if found:
-            result["e2e"], e2e_rows, result["memory"] = found
+            result["e2e"], e2e_rows, result["memory"], stage_errors = found
             rows += e2e_rows
+            errors.update(stage_errors)
     if "scoring" in result["kernels"] and "scoring_prefill" in result["e2e"]:
         prefill = result["e2e"]["scoring_prefill"]
         rows.append(scoring.scoring_row(result["kernels"], prefill["seconds"], prefill["tokens"]))
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op under `conduit`
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)  # progress of this long run
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("conduit bench: torch sees no CUDA device (run with --device cpu)", file=sys.stderr)
+        return 2
     config = make_config(args.device, args.quick)
     if config.device.type == "cuda" and not _cuda_backend():
         print("conduit bench: the native library has no usable CUDA backend; set CONDUIT_LIB to the "

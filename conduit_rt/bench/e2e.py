@@ -35,7 +35,8 @@ from conduit_rt.runtime import Runtime
 from . import synthetic
 from .breakdown import PhaseClock
 from .config import E2ESizes
-from .decode import decode_runs
+from .decode import decode_runs, vlcache
+from .stages import run_stages
 from .targets import Target, at_least, at_most
 from .timing import PeakMemory, Timer
 
@@ -171,24 +172,25 @@ def kv_bytes_per_token(model) -> int:
 
 
 def run(sizes: E2ESizes, timer: Timer, dtype: torch.dtype, copy_bytes_per_s: float,
-        scoring_prefill_tokens: int) -> tuple[dict, list[Target], dict]:
-    """Every end-to-end run; returns (raw numbers, target rows, peak memory per run)."""
+        scoring_prefill_tokens: int) -> tuple[dict, list[Target], dict, dict[str, str]]:
+    """Every end-to-end run; returns (raw numbers, target rows, peak memory per run, errors). A stage
+    that raises is recorded in the errors and the later stages still run."""
     e2e = EndToEnd(sizes, timer, dtype)
     twin = synthetic.transformers_twin(e2e.model)
-    raw = {"model": {"shape": sizes.shape, "weight_bytes_per_token": weight_bytes_per_token(e2e.model),
-                     "kv_bytes_per_token": kv_bytes_per_token(e2e.model)}}
-    logger.info("end-to-end: reuse")
-    raw["reuse"] = e2e.reuse()
-    logger.info("end-to-end: transformers prefill")
-    raw["transformers_prefill"] = e2e.transformers_prefill(twin)
-    raw["scoring_prefill"] = e2e.decoder_prefill(scoring_prefill_tokens)
-    logger.info("end-to-end: decode")
-    raw["decode"] = decode_runs(e2e, twin)
-    raw["decode"]["bound_tokens_per_s"] = decode_bound(raw, copy_bytes_per_s)
-    memory = dict(e2e.memory)
-    e2e.runtime.prefix_cache.clear()
-    e2e.runtime.arena.close()
-    return raw, rows(raw), memory
+    raw: dict = {"model": {"shape": sizes.shape, "weight_bytes_per_token": weight_bytes_per_token(e2e.model),
+                           "kv_bytes_per_token": kv_bytes_per_token(e2e.model)}}
+    stages = [("reuse", e2e.reuse), ("transformers_prefill", lambda: e2e.transformers_prefill(twin)),
+              ("scoring_prefill", lambda: e2e.decoder_prefill(scoring_prefill_tokens)),
+              ("decode", lambda: decode_runs(e2e, twin)), ("long", lambda: vlcache(e2e))]
+    try:
+        found, errors = run_stages("e2e", stages, before_next=e2e.runtime.prefix_cache.clear)
+    finally:
+        e2e.runtime.prefix_cache.clear()
+        e2e.runtime.arena.close()
+    raw.update(found)
+    if "decode" in raw:
+        raw["decode"]["bound_tokens_per_s"] = decode_bound(raw, copy_bytes_per_s)
+    return raw, rows(raw), dict(e2e.memory), errors
 
 
 def decode_bound(raw: dict, copy_bytes_per_s: float) -> float:
@@ -199,25 +201,44 @@ def decode_bound(raw: dict, copy_bytes_per_s: float) -> float:
 
 
 def rows(raw: dict) -> list[Target]:
-    r, hf = raw["reuse"], raw["transformers_prefill"]
+    """The end-to-end target rows whose stages ran."""
+    out = []
+    for build in (_reuse_rows, _decode_rows, _long_rows):
+        try:
+            out += build(raw)
+        except KeyError:  # a stage it reads did not run (recorded in the errors)
+            continue
+    return out
+
+
+def _reuse_rows(raw: dict) -> list[Target]:
+    r, hf = raw["reuse"], raw.get("transformers_prefill")
     conduit, full = r["warm_conduit"], r["warm_full"]
     bc, bf = r["breakdown_conduit"], r["breakdown_full"]
-    d, ours = raw["decode"], raw["decode"]["ours"]
-    long_full, long_vl = d["long"]["full"], d["long"]["vlcache"]
-    n_img = f"{conduit['image_hits']} seen images"
-    return [
-        at_least("ttft.vs_full_prefill", f"TTFT, {n_img} under a changed prefix and order, conduit r={r_of(conduit)}",
-                 conduit["ttft_s"] * 1e3, full["ttft_s"] * 1e3, "ms", 4.0, "full-prefill TTFT / conduit TTFT",
+    rows = [
+        at_least("ttft.vs_full_prefill",
+                 f"TTFT, {conduit['image_hits']} seen images under a changed prefix and order, "
+                 f"conduit r={r_of(conduit)}", conduit["ttft_s"] * 1e3, full["ttft_s"] * 1e3, "ms", 4.0,
+                 "full-prefill TTFT / conduit TTFT",
                  f"{conduit['prompt_tokens']} prompt tokens, {conduit['refreshed_tokens']} of "
                  f"{conduit['visual_tokens']} visual refreshed, prefill FLOPs {conduit['prefill_flops_ratio']:.3f} "
                  f"of full; cold (vision tower): full {r['cold_full']['ttft_s'] * 1e3:.0f} ms, conduit "
                  f"{r['cold_conduit']['ttft_s'] * 1e3:.0f} ms", invert=True),
-        at_least("prefill.vs_transformers", "full prefill (decoder) vs transformers SDPA, same embeddings",
-                 bf["prefill"] * 1e3, hf["seconds"] * 1e3, "ms", 1.0, "transformers time / our time",
-                 f"{hf['tokens']} tokens; logits rel err vs ours {hf['logits_rel_err_vs_ours']:.1e}", invert=True),
         at_most("scoring_e2e.vs_prefill", "CONDUIT scoring + selection in the request vs its full prefill",
                 (bc["scoring"] + bc["selection"]) * 1e3, bf["prefill"] * 1e3, "ms", 0.05,
                 "(scoring + selection) / full prefill (decoder)", "from the instrumented requests"),
+    ]
+    if hf is not None:
+        rows.append(at_least("prefill.vs_transformers", "full prefill (decoder) vs transformers SDPA, same embeddings",
+                             bf["prefill"] * 1e3, hf["seconds"] * 1e3, "ms", 1.0, "transformers time / our time",
+                             f"{hf['tokens']} tokens; logits rel err vs ours {hf['logits_rel_err_vs_ours']:.1e}",
+                             invert=True))
+    return rows
+
+
+def _decode_rows(raw: dict) -> list[Target]:
+    d, ours = raw["decode"], raw["decode"]["ours"]
+    return [
         at_least("decode.vs_bound", f"decode batch 1, {ours['prompt_tokens']}-token context: tokens/s vs bound",
                  ours["tokens_per_s"], d["bound_tokens_per_s"], "tok/s", 0.85,
                  "our tokens/s / (copy bandwidth / bytes read per token)", "bytes: decoder weights + mean context KV"),
@@ -227,11 +248,18 @@ def rows(raw: dict) -> list[Target]:
         at_least("decode.graph_captured", "decode step graph-captured (CUDA graph replays per step)",
                  float(ours["graph_replays"]), float(ours["steps"]), "replays", 1.0, "graph replays / decode steps",
                  "counts torch.cuda.CUDAGraph.replay during our decode"),
-        at_least("vlcache.speed", f"VL-Cache keep {d['long']['keep']:g}, {long_full['prompt_tokens']}-token context: "
-                 "decode tokens/s", long_vl["tokens_per_s"], long_full["tokens_per_s"], "tok/s", 2.0,
+    ]
+
+
+def _long_rows(raw: dict) -> list[Target]:
+    long = raw["long"]
+    full, vl = long["full"], long["vlcache"]
+    return [
+        at_least("vlcache.speed", f"VL-Cache keep {long['keep']:g}, {full['prompt_tokens']}-token context: "
+                 "decode tokens/s", vl["tokens_per_s"], full["tokens_per_s"], "tok/s", 2.0,
                  "compressed tokens/s / uncompressed"),
-        at_most("vlcache.kv_bytes", "VL-Cache: prompt KV bytes kept", long_vl["kv_bytes_after_compress"] / 2**20,
-                long_vl["kv_bytes_before_compress"] / 2**20, "MiB", 0.12, "bytes after / before compression"),
+        at_most("vlcache.kv_bytes", "VL-Cache: prompt KV bytes kept", vl["kv_bytes_after_compress"] / 2**20,
+                vl["kv_bytes_before_compress"] / 2**20, "MiB", 0.12, "bytes after / before compression"),
     ]
 
 

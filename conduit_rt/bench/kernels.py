@@ -24,6 +24,7 @@ from conduit_rt.arena import KVArena
 
 from . import sdpa
 from .config import KernelSizes
+from .stages import run_stages
 from .targets import Target, at_least, at_most
 from .timing import Timer
 
@@ -166,33 +167,40 @@ def _fmt(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def run(timer: Timer, sizes: KernelSizes, dtype: torch.dtype, copy_bytes_per_s: float) -> tuple[dict, list[Target]]:
-    """Every kernel benchmark; returns the raw numbers and the target rows."""
+def run(timer: Timer, sizes: KernelSizes, dtype: torch.dtype,
+        copy_bytes_per_s: float) -> tuple[dict, list[Target], dict[str, str]]:
+    """Every kernel benchmark; returns the raw numbers, the target rows and the stages' errors."""
     bench = KernelBench(timer, sizes, dtype)
-    raw = {
-        "decode": bench.decode(sizes.decode_length),
-        "decode_long": bench.decode(sizes.long_decode_length),
-        "decode_batch": bench.decode(sizes.batch_length, sizes.batch),
-        "compressed": bench.compressed(sizes.compressed_length, sizes.compressed_keep),
-        "recompute": bench.many_queries(*bench.recompute_positions()),
-        "prefill": bench.many_queries(sizes.prefill_chunk, list(range(sizes.prefill_chunk))),
-    }
+    raw, errors = run_stages("kernels", [
+        ("decode", lambda: bench.decode(sizes.decode_length)),
+        ("decode_long", lambda: bench.decode(sizes.long_decode_length)),
+        ("decode_batch", lambda: bench.decode(sizes.batch_length, sizes.batch)),
+        ("compressed", lambda: bench.compressed(sizes.compressed_length, sizes.compressed_keep)),
+        ("recompute", lambda: bench.many_queries(*bench.recompute_positions())),
+        ("prefill", lambda: bench.many_queries(sizes.prefill_chunk, list(range(sizes.prefill_chunk)))),
+    ])
     rows: list[Target] = []
     for key in ("decode", "decode_long", "decode_batch"):
-        rows += decode_rows(key, raw[key], copy_bytes_per_s)
-    c = raw["compressed"]
-    rows.append(at_most(
-        "compressed.vs_full", f"decode over VL-Cache-compressed KV ({c['kept']} of {_fmt(c['length'])} kept)",
-        c["seconds"] * 1e3, c["full_seconds"] * 1e3, "ms", 0.15, "compressed time / full-cache time",
-        f"rel err {c['rel_err']:.1e}", valid=sdpa.is_correct(c["rel_err"])))
+        if key in raw:
+            rows += decode_rows(key, raw[key], copy_bytes_per_s)
+    if "compressed" in raw:
+        c = raw["compressed"]
+        rows.append(at_most(
+            "compressed.vs_full", f"decode over VL-Cache-compressed KV ({c['kept']} of {_fmt(c['length'])} kept)",
+            c["seconds"] * 1e3, c["full_seconds"] * 1e3, "ms", 0.15, "compressed time / full-cache time",
+            f"rel err {c['rel_err']:.1e}", valid=sdpa.is_correct(c["rel_err"])))
     for key, label in (("recompute", "scattered recompute queries"), ("prefill", "prefill chunk")):
-        r = raw[key]
-        rows.append(at_least(
-            f"{key}.vs_sdpa", f"{label} ({r['n_queries']} queries over {_fmt(r['n_keys'])} keys): useful TFLOP/s",
-            r["flop_per_s"] / 1e12, r["sdpa_flop_per_s"] / 1e12, "TFLOP/s", 0.6,
-            "our useful rate / SDPA's on a square causal problem of n_keys",
-            f"SDPA {r['sdpa_best']}; rel err {r['rel_err']:.1e}", valid=sdpa.is_correct(r["rel_err"])))
-    return raw, rows
+        if key in raw:
+            rows.append(many_queries_row(key, label, raw[key]))
+    return raw, rows, errors
+
+
+def many_queries_row(key: str, label: str, r: dict) -> Target:
+    return at_least(
+        f"{key}.vs_sdpa", f"{label} ({r['n_queries']} queries over {_fmt(r['n_keys'])} keys): useful TFLOP/s",
+        r["flop_per_s"] / 1e12, r["sdpa_flop_per_s"] / 1e12, "TFLOP/s", 0.6,
+        "our useful rate / SDPA's on a square causal problem of n_keys",
+        f"SDPA {r['sdpa_best']}; rel err {r['rel_err']:.1e}", valid=sdpa.is_correct(r["rel_err"]))
 
 
 def decode_rows(key: str, r: dict, copy_bytes_per_s: float) -> list[Target]:

@@ -15,9 +15,7 @@ def targets(plt, result: dict, rows) -> object:
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
     margins = []
     for r in rows:
-        threshold = float(r.target.split()[-1])
-        m = r.ratio / threshold if r.target.startswith(">=") else (threshold / r.ratio if r.ratio else math.inf)
-        margins.append(m if math.isfinite(m) else 0.0)
+        margins.append(margin(r))
     y = range(len(rows))
     ax.barh(list(y), margins, color=[PASS if r.passed else FAIL for r in rows])
     ax.axvline(1.0, color="black", linewidth=1)
@@ -29,22 +27,35 @@ def targets(plt, result: dict, rows) -> object:
     return fig
 
 
+def margin(row) -> float:
+    """ratio / threshold for '>=' rows, threshold / ratio for '<=' rows; 0 when not measured."""
+    parts = row.target.split()
+    if len(parts) != 2 or not math.isfinite(row.ratio):
+        return 0.0
+    threshold = float(parts[1])
+    m = row.ratio / threshold if parts[0] == ">=" else (threshold / row.ratio if row.ratio else math.inf)
+    return m if math.isfinite(m) else 0.0
+
+
 def kernels(plt, result: dict, rows) -> object:
     """Decode attention: our effective bandwidth, the fastest SDPA backend's, the copy ceiling."""
     k = result["kernels"]
     copy = result["ceilings"]["copy"]["bytes_per_s"] / 1e9
     labels, ours, theirs = [], [], []
-    for key in ("decode", "decode_long", "decode_batch"):
+    for key in [key for key in ("decode", "decode_long", "decode_batch") if key in k]:
         r = k[key]
         labels.append(f"b{r['batch']} x {r['length']}")
         ours.append(r["bytes_per_s"] / 1e9)
         _, seconds = fastest(r["sdpa"])
         theirs.append(r["kv_bytes"] / seconds / 1e9 if math.isfinite(seconds) else 0.0)
-    c = k["compressed"]
-    labels.append(f"compressed {c['kept']} of {c['length']}")
-    token_bytes = k["decode"]["kv_bytes"] / (k["decode"]["length"] * k["decode"]["batch"])
-    ours.append(c["kept"] * token_bytes / c["seconds"] / 1e9 if c["seconds"] else 0.0)
-    theirs.append(0.0)
+    if "compressed" in k and "decode" in k:
+        c = k["compressed"]
+        labels.append(f"compressed {c['kept']} of {c['length']}")
+        token_bytes = k["decode"]["kv_bytes"] / (k["decode"]["length"] * k["decode"]["batch"])
+        ours.append(c["kept"] * token_bytes / c["seconds"] / 1e9 if c["seconds"] else 0.0)
+        theirs.append(0.0)
+    if not labels:
+        raise KeyError("decode")
     fig, ax = plt.subplots(figsize=(8, 4))
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], ours, width=0.4, label="conduit (arena)")
@@ -80,13 +91,22 @@ def ttft_breakdown(plt, result: dict, rows) -> object:
 
 def decode(plt, result: dict, rows) -> object:
     """Tokens/s: ours, its bytes bound, transformers; long context with and without VL-Cache."""
-    d = result["e2e"]["decode"]
-    labels = ["ours", "bound", "transformers", "long, full KV", "long, VL-Cache"]
-    values = [d["ours"]["tokens_per_s"], d["bound_tokens_per_s"], d["transformers"]["tokens_per_s"],
-              d["long"]["full"]["tokens_per_s"], d["long"]["vlcache"]["tokens_per_s"]]
+    e2e = result["e2e"]
+    bars, title = [], []
+    if "decode" in e2e:
+        d = e2e["decode"]
+        bars += [("ours", d["ours"]["tokens_per_s"], "#1565c0"), ("bound", d["bound_tokens_per_s"], GREY),
+                 ("transformers", d["transformers"]["tokens_per_s"], "#ef6c00")]
+        title.append(f"{d['ours']['prompt_tokens']}-token context")
+    if "long" in e2e:
+        long = e2e["long"]
+        bars += [("long, full KV", long["full"]["tokens_per_s"], "#90caf9"),
+                 ("long, VL-Cache", long["vlcache"]["tokens_per_s"], "#1565c0")]
+        title.append(f"long: {long['full']['prompt_tokens']}-token context")
+    if not bars:
+        raise KeyError("decode")
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.bar(labels, values, color=["#1565c0", GREY, "#ef6c00", "#90caf9", "#1565c0"])
+    ax.bar([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
     ax.set_ylabel("tokens/s (batch 1)")
-    ax.set_title(f"Decode at batch 1: {d['ours']['prompt_tokens']}-token context; "
-                 f"long: {d['long']['full']['prompt_tokens']}-token context")
+    ax.set_title("Decode at batch 1: " + "; ".join(title))
     return fig

@@ -114,12 +114,16 @@ def markdown(result: dict, rows: list[Target]) -> str:
               *_rows_section()]
     for plot in result.get("plots", []):
         lines += ["", f"![{Path(plot).stem}]({plot})"]
+    for section, error in result.get("errors", {}).items():
+        lines += ["", f"Section `{section}` failed: {error}"]
     if result.get("plots_note"):
         lines += ["", result["plots_note"]]
     return "\n".join(lines) + "\n"
 
 
 def _breakdown_section(result: dict) -> list[str]:
+    if "reuse" not in result["e2e"]:
+        return ["## Where the time to first token goes", "", "(the end-to-end section did not run)"]
     reuse = result["e2e"]["reuse"]
     lines = ["## Where the time to first token goes (ms)", "",
              "| request | " + " | ".join(PHASES) + " | TTFT |", "| --- |" + " ---: |" * (len(PHASES) + 1)]
@@ -173,7 +177,12 @@ def plots(plot_dir: Path, result: dict, rows: list[Target]) -> list[Path]:
     written = []
     for name, draw in (("targets", drawing.targets), ("kernels", drawing.kernels),
                        ("ttft_breakdown", drawing.ttft_breakdown), ("decode", drawing.decode)):
-        fig = draw(plt, result, rows)
+        try:
+            fig = draw(plt, result, rows)
+        except KeyError as missing:  # its section did not run
+            logger.warning("plot %s skipped: no %s in the results", name, missing)
+            plt.close("all")
+            continue
         path = plot_dir / f"{name}.png"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)

@@ -91,7 +91,7 @@ def at_most(key: str, name: str, measured: float, reference: float, unit: str, t
 def with_missing(rows: list[Target], errors: dict[str, str]) -> list[Target]:
     """``rows`` in ``ROW_KEYS`` order, a failing placeholder for each key no section produced."""
     by_key = {r.key: r for r in rows}
-    why = "; ".join(f"{section}: {error}" for section, error in errors.items()) or "not measured"
+    why = "; ".join(f"{section}: {error}" for section, error in errors.items()) or "its section was skipped"
     nan = float("nan")
     return [by_key.get(key) or Target(key, key, nan, nan, "", nan, "", "", False, f"not measured ({why})")
             for key in ROW_KEYS] + [r for r in rows if r.key not in ROW_KEYS]
