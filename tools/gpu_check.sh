@@ -2,13 +2,5 @@
 # On a GPU machine: build the library for this GPU, run the GPU-marked tests, keep logs in $OUT.
 # Usage: tools/gpu_check.sh [pytest args...]   (wheels for cffi/pycparser/gguf in .whl/ if missing)
 set -uo pipefail
-out="${OUT:-/tmp/conduit-gpu}"; mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-arch=$(python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(f'{p.major}{p.minor}')")
-cmake -S . -B /tmp/conduit-build -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCONDUIT_CUDA=ON > "$out/cmake.log" 2>&1 \
-  && cmake --build /tmp/conduit-build >> "$out/cmake.log" 2>&1 || { tail -50 "$out/cmake.log"; exit 1; }
-export CONDUIT_LIB=/tmp/conduit-build/libconduit.so
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pytest -q -m gpu tests/ -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -40
+source "$(dirname "$0")/gpu_build.sh" || exit 1
+python3 -m pytest -q -m gpu tests/ -p no:cacheprovider "$@" 2>&1 | tee "${OUT:-/tmp/conduit-gpu}/pytest_gpu.log" | tail -40
