@@ -1,0 +1,8 @@
+"""``conduit eval``: refresh and compression policies side by side on replayed document-QA sessions.
+
+- ``sessions``: where a test request's pages were seen before (earlier requests of the session).
+- ``replay``: the settings (policy x budget rows), one session on a Runtime, the request loop.
+- ``metrics``: accuracy and fidelity against the full-prefill run (METHODS.md §4).
+- ``report``: results.json -> markdown tables, the plot, the docs page (docs/quality.md).
+- ``cli``: the command (``main(argv)``).
+"""

@@ -1,0 +1,177 @@
+"""``conduit eval`` / ``python -m conduit_rt.evaluation``: the policy quality table.
+
+Replays document-QA sessions of the tagged-pages task (``quality/``) on a Runtime and measures every
+refresh policy x budget, every compression policy x keep ratio and CONDUIT + VL-Cache together
+against a cold full prefill (see ``replay`` and ``metrics``). Writes ``OUT/results.json`` (every
+number), ``OUT/table.md``, ``OUT/plot.png`` and ``OUT/quality.md`` (the docs page).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelFormatError
+from . import report
+from .replay import REFERENCE_KEY, Replay, ReplayRequest, build_settings, run_requests
+
+logger = logging.getLogger("conduit_rt.evaluation")
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "quality_model"
+REFRESH_POLICIES = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
+COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
+GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill (issue 8)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _names(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = sorted(set(names) - set(choices))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(choices)}")
+        return names
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conduit eval", description="refresh and compression policies side by "
+                                     "side on replayed document-QA sessions: accuracy, fidelity, cost")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                        help="the task model: a Hugging Face folder (converted on the fly), a folder holding "
+                             "model.gguf + mmproj.gguf, or a model.gguf (default: the bundled quality model)")
+    parser.add_argument("--out", type=Path, default=Path("eval-out"), help="output folder (default: eval-out)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cuda[:N] or cpu")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights and KV (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--n", type=int, default=None, help="test requests (default: 24 on CPU, 500 on CUDA)")
+    parser.add_argument("--start", type=int, default=0, help="index of the first test request")
+    parser.add_argument("--seed", type=int, default=0, help="the task seed (the model was trained with it)")
+    parser.add_argument("--pool-pages", type=int, default=4000, help="test pages to draw from (quality.train's "
+                        "--eval-pages: the same seed and size give the same test requests as its metrics)")
+    parser.add_argument("--min-pages", type=int, default=1)
+    parser.add_argument("--max-pages", type=int, default=8)
+    parser.add_argument("--seen", choices=("sessions", "retagged", "isolated"), default="sessions",
+                        help="where the pages were seen before (see conduit_rt/evaluation/sessions.py)")
+    parser.add_argument("--refresh-policies", type=_names(REFRESH_POLICIES), default=list(REFRESH_POLICIES))
+    parser.add_argument("--budgets", type=_floats, default=[0.0, 0.05, 0.1, 0.2], help="refresh budgets r")
+    parser.add_argument("--compress-policies", type=_names(COMPRESS_POLICIES), default=list(COMPRESS_POLICIES))
+    parser.add_argument("--keeps", type=_floats, default=[0.05, 0.1, 0.2, 0.4], help="compression keep ratios α")
+    parser.add_argument("--together", type=_floats, default=[0.1, 0.1],
+                        help="CONDUIT budget,VL-Cache keep of the combined row (empty: no such row)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (two codes are 6, then EOS)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds after which no new session starts (the table covers those replayed)")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV arena size")
+    parser.add_argument("--image-cache-mib", type=int, default=64, help="the image-KV store's share of it")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    return parser
+
+
+def resolve_model(path: Path, workdir: Path) -> Path:
+    """The model.gguf to load; a Hugging Face folder is converted (float32) into ``workdir/gguf``."""
+    if path.is_file():
+        return path
+    if (path / "model.gguf").is_file():
+        return path / "model.gguf"
+    if (path / "config.json").is_file():
+        from convert.cli import main as convert_main
+
+        outdir = workdir / "gguf"
+        if convert_main([str(path), "--outdir", str(outdir), "--dtype", "f32", "--quiet"]) != 0:
+            raise ModelFormatError(f"could not convert {path} (see the message above)")
+        return outdir / "model.gguf"
+    raise ModelFormatError(f"{path} is neither a model.gguf, a folder holding one, nor a Hugging Face folder "
+                           "(config.json); train one with `python -m quality.train --out DIR` and pass DIR/model")
+
+
+def split_requests(args: argparse.Namespace, n: int) -> list[ReplayRequest]:
+    """The test split's requests start..start+n-1 with the messages of the sessions that saw their pages."""
+    from quality.generator import make_request, page_for
+
+    from .sessions import request_messages, seen_before
+
+    pool = [page_for(args.seed, "test", index) for index in range(args.pool_pages)]
+    out = []
+    for index in range(args.start, args.start + n):
+        request = make_request(pool, "test", args.seed, index, min_pages=args.min_pages, max_pages=args.max_pages)
+        out.append(ReplayRequest(request_messages(request), request.answer, request.num_pages,
+                                 seen_before(request, pool, args.seen, salt=index)))
+    return out
+
+
+def collect(args: argparse.Namespace, settings, scores, seconds: float, runtime, model_path: Path,
+            argv: list[str]) -> dict:
+    """The results dict (results.json): configuration, one row per setting, the checks."""
+    full_accuracy = scores[REFERENCE_KEY].accuracy
+    rows = []
+    for setting in settings:
+        row = {"key": setting.key, "kind": setting.kind, "refresh": setting.refresh, "budget": setting.budget,
+               "compress": setting.compress, "keep": setting.keep}
+        row.update(scores[setting.key].summary(full_accuracy))
+        rows.append(row)
+    none = scores.get("refresh:none@0")
+    gap = 100 * (full_accuracy - none.accuracy) if none is not None and none.n else float("nan")
+    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    config.update(model_name=args.model.name, model_gguf=str(model_path), device=str(runtime.device),
+                  dtype=str(runtime.dtype).replace("torch.", ""),
+                  command="conduit eval " + " ".join(shlex.quote(a) for a in argv))
+    return {
+        "config": config,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "device_name": torch.cuda.get_device_name(runtime.device)
+                        if runtime.device.type == "cuda" else platform.processor() or "cpu"},
+        "n_requests": scores[REFERENCE_KEY].n,
+        "seconds": seconds,
+        "checks": {"full_accuracy": full_accuracy, "none_gap_points": gap,
+                   "tells_policies_apart": bool(gap >= GAP_POINTS)},
+        "rows": rows,
+    }
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    from ..runtime import Runtime, resolve_device
+
+    try:
+        import quality  # noqa: F401
+    except ImportError as error:
+        raise SystemExit("conduit eval needs the `quality` package (the task generator): run it from a source "
+                         f"checkout of conduit-rt ({error})") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model, args.out)
+    device = resolve_device(args.device)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    runtime = Runtime(model_path, device=device, dtype=dtype, kv_cache_bytes=args.kv_cache_mib << 20,
+                      image_cache_bytes=args.image_cache_mib << 20, prefix_cache_entries=0)
+    n = args.n if args.n is not None else (500 if device.type == "cuda" else 24)
+    settings = build_settings(args.refresh_policies, args.budgets, args.compress_policies, args.keeps,
+                              tuple(args.together) if len(args.together) == 2 else None)
+    logger.info("%d settings x %d requests on %s (%s)", len(settings), n, runtime.device, runtime.dtype)
+    requests = split_requests(args, n)
+    scores, seconds = run_requests(Replay(runtime, settings, args.max_tokens), requests, args.time_limit)
+    results = collect(args, settings, scores, seconds, runtime, model_path, argv)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    report.write_report(results, args.out)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    results = run(args, argv)
+    print(report.tables_markdown(results).split("### Every setting")[0].rstrip())
+    print("\n".join(report.headline(results)))
+    print(f"wrote {args.out / 'results.json'}, table.md, plot.png, quality.md")
+    return 0

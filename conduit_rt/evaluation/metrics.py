@@ -1,0 +1,123 @@
+"""Quality measures of one answer against the full-prefill reference, and their means (METHODS.md §4).
+
+Every setting answers the same request greedily; its ``Outcome`` holds the generated tokens, the
+logits of every step and the final hidden state that produced them. Fidelity compares an outcome
+with the reference outcome (a cold full prefill of the same request on the same model):
+
+- next-token KL divergence KL(p_full || p_policy), in nats, of the next-token distributions;
+- top-1 agreement: whether both distributions have the same most likely token;
+- greedy-continuation exact match: whether the whole greedy answer (tokens) is the same;
+- relative error of the last hidden state: ||h - h_full||_2 / ||h_full||_2, with h the final
+  norm's output (what the LM head reads; transformers' ``last_hidden_state``) at the token whose
+  next-token distribution is compared.
+
+Each per-step measure is given twice: at step 0 (the distribution right after the prompt, where a
+refresh policy acts: ``*_first``) and as the mean over the *aligned* steps, the decode steps whose
+preceding generated tokens equal the reference's (step 0 always; a compression policy changes only
+these later steps, its step 0 is the untouched prefill).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One greedy answer of one setting to one request.
+
+    logits: float32 [steps, vocab], step 0 = the distribution after the prompt; hidden: float32
+    [steps, hidden], the final norm's output that produced each row of ``logits``.
+    """
+
+    text: str
+    tokens: list[int]
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    stats: object  # conduit_rt.results.GenerationStats
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(reference) || softmax(logits)) per row, in nats: [..., vocab] -> [...] float64."""
+    log_p = torch.log_softmax(reference_logits.double(), dim=-1)
+    log_q = torch.log_softmax(logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def relative_error(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """||value - reference|| / ||reference|| per row: [..., d] -> [...] float64."""
+    reference, value = reference.double(), value.double()
+    return (value - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)
+
+
+def aligned_steps(reference: Outcome, outcome: Outcome) -> int:
+    """How many leading steps are comparable: step s counts while the tokens before it agree."""
+    agree = 0
+    for mine, theirs in zip(outcome.tokens, reference.tokens):
+        if mine != theirs:
+            break
+        agree += 1
+    return max(1, min(agree + 1, reference.logits.shape[0], outcome.logits.shape[0]))
+
+
+def fidelity(reference: Outcome, outcome: Outcome) -> dict[str, float]:
+    """The §4 measures of ``outcome`` against ``reference`` (see the module docstring)."""
+    steps = aligned_steps(reference, outcome)
+    kl = kl_divergence(reference.logits[:steps], outcome.logits[:steps])
+    top1 = (reference.logits[:steps].argmax(-1) == outcome.logits[:steps].argmax(-1)).double()
+    hidden = relative_error(reference.hidden[:steps], outcome.hidden[:steps])
+    return {
+        "kl_first": float(kl[0]), "kl": float(kl.mean()),
+        "top1_first": float(top1[0]), "top1": float(top1.mean()),
+        "hidden_rel_error_first": float(hidden[0]), "hidden_rel_error": float(hidden.mean()),
+        "continuation_match": float(outcome.tokens == reference.tokens),
+        "aligned_steps": float(steps),
+    }
+
+
+def is_correct(text: str, answer: str) -> bool:
+    """Exact match of the stripped answer text (the task's metric, ``quality.evaluate.exact_match``)."""
+    return text.strip() == answer
+
+
+@dataclass(slots=True)
+class SettingScores:
+    """Per-request measures of one setting, summed as requests come in (``summary`` gives means)."""
+
+    correct: list[bool] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    measures: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, correct: bool, num_pages: int, measures: dict[str, float]) -> None:
+        self.correct.append(correct)
+        self.pages.append(num_pages)
+        for name, value in measures.items():
+            self.measures.setdefault(name, []).append(value)
+
+    @property
+    def n(self) -> int:
+        return len(self.correct)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / self.n if self.n else 0.0
+
+    def accuracy_by_pages(self) -> dict[str, float]:
+        table: dict[int, list[bool]] = {}
+        for hit, pages in zip(self.correct, self.pages):
+            table.setdefault(pages, []).append(hit)
+        return {str(pages): round(sum(hits) / len(hits), 4) for pages, hits in sorted(table.items())}
+
+    def summary(self, full_accuracy: float | None) -> dict:
+        """Means over the requests; accuracy also as % of ``full_accuracy`` (None when that is 0)."""
+        out = {"n": self.n, "accuracy": self.accuracy,
+               "accuracy_pct_of_full": 100.0 * self.accuracy / full_accuracy if full_accuracy else None,
+               "accuracy_by_pages": self.accuracy_by_pages()}
+        out.update({name: mean(values) for name, values in self.measures.items()})
+        return out
+
+
+def mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0

@@ -1,0 +1,243 @@
+"""The quality report: markdown tables, the plot and the docs page, all from the results dict.
+
+``write_report(results, out)`` writes ``out/table.md`` (tables and headline), ``out/plot.png`` and
+``out/quality.md`` (the docs page: how the numbers were made, then the tables and the plot, whose
+file it names ``quality.png``). ``python -m conduit_rt.evaluation.report results.json --docs docs``
+regenerates ``docs/quality.md`` and ``docs/quality.png`` from a finished run's JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+REFRESH_ORDER = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
+COMPRESS_ORDER = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
+HEADLINE_RATIO = 0.1
+
+
+def rows_by_key(results: dict) -> dict[str, dict]:
+    return {row["key"]: row for row in results["rows"]}
+
+
+def refresh_row(results: dict, policy: str, budget: float) -> dict | None:
+    """The row of a refresh policy at a budget; ``full``/``none`` at any budget, budget 0 = ``none``."""
+    rows = rows_by_key(results)
+    if policy == "full":
+        return rows.get("refresh:full@1")
+    if policy == "none" or budget == 0:
+        return rows.get("refresh:none@0")
+    return rows.get(f"refresh:{policy}@{budget:g}")
+
+
+def compress_row(results: dict, policy: str, keep: float) -> dict | None:
+    rows = rows_by_key(results)
+    return rows.get("compress:none@1") if policy == "none" else rows.get(f"compress:{policy}@{keep:g}")
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
+
+
+def _cell(row: dict | None) -> str:
+    """accuracy (% of full) of a row, or a dash."""
+    if row is None:
+        return "-"
+    return f"{100 * row['accuracy']:.1f} ({_pct(row['accuracy_pct_of_full'])})"
+
+
+def _policies(results: dict, kind: str, order: tuple[str, ...]) -> list[str]:
+    present = {row[kind] for row in results["rows"] if row["kind"] == kind}
+    return [p for p in order if p in present] + sorted(present - set(order))
+
+
+def refresh_table(results: dict) -> str:
+    budgets = results["config"]["budgets"]
+    lines = ["| refresh policy | " + " | ".join(f"r = {100 * b:g}%" for b in budgets) + " |",
+             "| --- |" + " --- |" * len(budgets)]
+    for policy in _policies(results, "refresh", REFRESH_ORDER):
+        cells = [_cell(refresh_row(results, policy, b)) for b in budgets]
+        lines.append(f"| `{policy}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compress_table(results: dict) -> str:
+    keeps = results["config"]["keeps"]
+    lines = ["| compression policy | " + " | ".join(f"α = {100 * k:g}%" for k in keeps) + " |",
+             "| --- |" + " --- |" * len(keeps)]
+    for policy in _policies(results, "compress", COMPRESS_ORDER):
+        cells = [_cell(compress_row(results, policy, k)) for k in keeps]
+        lines.append(f"| `{policy}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_table(results: dict) -> str:
+    header = ("| setting | accuracy | % of full | KL (first) | KL (aligned) | top-1 (first) | top-1 (aligned) | "
+              "continuation match | hidden rel. err. | prefill FLOPs | KV kept | refreshed |")
+    lines = [header, "| --- |" + " ---: |" * 11]
+    for row in results["rows"]:
+        lines.append(
+            f"| `{row['key']}` | {100 * row['accuracy']:.1f} | {_pct(row['accuracy_pct_of_full'])} | "
+            f"{row['kl_first']:.2e} | {row['kl']:.2e} | {row['top1_first']:.3f} | {row['top1']:.3f} | "
+            f"{row['continuation_match']:.3f} | {row['hidden_rel_error']:.2e} | {row['prefill_flops_ratio']:.3f} | "
+            f"{row['kv_ratio']:.3f} | {row['refreshed_fraction']:.3f} |")
+    return "\n".join(lines)
+
+
+def headline(results: dict) -> list[str]:
+    """The closing note's sentences: the `none` gap, CONDUIT at 10% and VL-Cache at 10% against every
+    baseline, and both together."""
+    notes = []
+    check = results["checks"]
+    notes.append(f"`none` (stale KV, no refresh) scores {check['none_gap_points']:.1f} points below full prefill "
+                 f"({100 * check['full_accuracy']:.1f}% exact match): the benchmark "
+                 f"{'tells' if check['tells_policies_apart'] else 'does NOT tell'} policies apart (needs >= 5 points).")
+    conduit = refresh_row(results, "conduit", HEADLINE_RATIO)
+    if conduit is not None:
+        others = [f"`{p}` {_pct(row['accuracy_pct_of_full'])}" for p in REFRESH_ORDER if p != "conduit"
+                  and (row := refresh_row(results, p, HEADLINE_RATIO)) is not None]
+        notes.append(f"CONDUIT at r = 10%: {_pct(conduit['accuracy_pct_of_full'])} of full-prefill accuracy at "
+                     f"{conduit['prefill_flops_ratio']:.3f}x its prefill FLOPs (KL {conduit['kl_first']:.2e}, top-1 "
+                     f"{conduit['top1_first']:.3f}); at the same budget " + ", ".join(others) + ".")
+    vlcache = compress_row(results, "vlcache", HEADLINE_RATIO)
+    if vlcache is not None:
+        others = [f"`{p}` {_pct(row['accuracy_pct_of_full'])}" for p in COMPRESS_ORDER if p != "vlcache"
+                  and (row := compress_row(results, p, HEADLINE_RATIO)) is not None]
+        notes.append(f"VL-Cache at α = 10%: {_pct(vlcache['accuracy_pct_of_full'])} of full-cache accuracy with "
+                     f"{vlcache['kv_ratio']:.3f}x the KV bytes (continuation match {vlcache['continuation_match']:.3f}); "
+                     "at the same keep ratio " + ", ".join(others) + ".")
+    together = [row for row in results["rows"] if row["kind"] == "together"]
+    for row in together:
+        notes.append(f"CONDUIT r = {100 * row['budget']:g}% + VL-Cache α = {100 * row['keep']:g}% together: "
+                     f"{_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at {row['prefill_flops_ratio']:.3f}x "
+                     f"the prefill FLOPs and {row['kv_ratio']:.3f}x the KV bytes.")
+    return notes
+
+
+def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
+    c = results["config"]
+    setup = (f"{results['n_requests']} test requests ({c['min_pages']}-{c['max_pages']} pages, seed {c['seed']}, pages seen "
+             f"before as `{c['seen']}`), model `{c['model_name']}` on {c['device']} ({c['dtype']}), greedy answers of "
+             f"at most {c['max_tokens']} tokens, {results['seconds']:.0f} s.")
+    parts = [
+        "### Setup", setup,
+        "### Refresh policies: exact match % (and % of full prefill) by refresh budget",
+        refresh_table(results),
+        "`full` and `none` do not depend on the budget; at r = 0 every policy refreshes nothing, so that column "
+        "is `none`.",
+        "### Compression policies: exact match % (and % of full cache) by keep ratio",
+        compress_table(results),
+        "`none` keeps the whole cache (the full-prefill reference run with compression on and nothing dropped).",
+        "### Every setting",
+        detail_table(results),
+        f"![accuracy by budget]({plot_name})",
+        "### Headline", "\n".join(f"- {note}" for note in headline(results)),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Accuracy vs refresh budget per refresh policy (left) and vs keep ratio per compression policy (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = 100 * results["checks"]["full_accuracy"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    budgets = results["config"]["budgets"]
+    for policy in _policies(results, "refresh", REFRESH_ORDER):
+        points = [(100 * b, 100 * row["accuracy"]) for b in budgets if (row := refresh_row(results, policy, b))]
+        style = "--" if policy in ("full", "none") else "-"
+        left.plot(*zip(*points), style, marker="o", label=policy, linewidth=2.5 if policy == "conduit" else 1.5)
+    for row in (r for r in results["rows"] if r["kind"] == "together"):
+        left.plot([100 * row["budget"]], [100 * row["accuracy"]], "*", markersize=14,
+                  label=f"conduit + vlcache (α {100 * row['keep']:g}%)")
+    keeps = results["config"]["keeps"]
+    for policy in _policies(results, "compress", COMPRESS_ORDER):
+        points = [(100 * k, 100 * row["accuracy"]) for k in keeps if (row := compress_row(results, policy, k))]
+        style = "--" if policy == "none" else "-"
+        right.plot(*zip(*points), style, marker="o", label=policy, linewidth=2.5 if policy == "vlcache" else 1.5)
+    for axis, title, xlabel in ((left, "Refresh of restored image KV", "refresh budget r (% of visual tokens)"),
+                                (right, "KV compression for decoding", "keep ratio α (% of the prompt's KV)")):
+        axis.axhline(full, color="black", linewidth=1, linestyle=":", label="full prefill")
+        axis.set(title=title, xlabel=xlabel, ylabel="exact match (%)")
+        axis.set_ylim(bottom=0, top=max(5.0, axis.get_ylim()[1]))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.suptitle(f"Tagged-pages QA, {results['n_requests']} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+INTRO = """# Quality: refresh and compression policies side by side
+
+Generated by `conduit eval` (`conduit_rt/evaluation/`) from `results.json`; METHODS.md §4 defines the
+measures. The task and its model are in `quality/` (quality/README.md): a small LLaVA-1.5 trained
+from scratch to answer questions about tagged pages, where the tag that names a page is text *before*
+the page, so an image's KV computed under another prefix carries the wrong page membership.
+
+**Sessions.** For each test request the runtime first sees its pages elsewhere: spread over earlier
+requests of 1-3 of them, in another order, among 0-2 other pages, each under another tag (`--seen
+sessions`; `retagged` and `isolated` are the other choices). Each page's KV is stored then, in that
+context. The test request then comes with its own tags, order and companions, and every setting
+answers it on the same warmed image-KV store (restoring never writes the store; the prefix cache is
+off; the store is emptied between sessions, so requests never warm each other). The reference is a
+cold full prefill of the same request on the same runtime (`refresh=None`: nothing restored).
+
+**Measures.** Accuracy: exact match of the greedy answer (at most 8 tokens) with the ground truth,
+and as % of the full-prefill accuracy. Fidelity against the full-prefill run of the same request:
+KL(full || policy) of the next-token distribution, top-1 agreement, greedy-continuation exact match
+(the whole answer's tokens), and ||h - h_full|| / ||h_full|| of the final norm's output (the LM
+head's input). "first" is the distribution right after the prompt (where refresh acts); "aligned"
+averages over every decode step whose earlier tokens equal the reference's (where compression
+acts). Prefill FLOPs: linear + attention FLOPs of the prefill over those of a full prefill (the
+runtime's count, scoring included). KV kept: the sequence's KV bytes after compression over before.
+
+Command (one H200, under five minutes; the trained model folder as `--model`):
+
+```
+{command}
+```
+"""
+
+
+def docs_page(results: dict, plot_name: str) -> str:
+    command = results["config"].get("command") or "conduit eval --model MODEL --out OUT"
+    return INTRO.replace("{command}", command) + "\n## Results\n\n" + tables_markdown(results, plot_name)
+
+
+def write_report(results: dict, out: Path) -> None:
+    """table.md, plot.png and quality.md (the docs page) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(tables_markdown(results, "plot.png"))
+    plot(results, out / "plot.png")
+    (out / "quality.md").write_text(docs_page(results, "quality.png"))
+
+
+def write_docs(results: dict, plot_path: Path | None, docs: Path) -> None:
+    """docs/quality.md and docs/quality.png (the plot copied from a run, or drawn again)."""
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "quality.md").write_text(docs_page(results, "quality.png"))
+    if plot_path is not None and plot_path.is_file():
+        shutil.copyfile(plot_path, docs / "quality.png")
+    else:
+        plot(results, docs / "quality.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conduit_rt.evaluation.report",
+                                     description="regenerate the quality docs page from a run's results.json")
+    parser.add_argument("results", type=Path, help="results.json of a `conduit eval` run")
+    parser.add_argument("--docs", type=Path, default=Path("docs"), help="folder for quality.md and quality.png")
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    write_docs(results, args.results.parent / "plot.png", args.docs)
+    print(f"wrote {args.docs / 'quality.md'} and {args.docs / 'quality.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
