@@ -53,6 +53,12 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return bench_main(rest)
 
 
+def _cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
+    from .evaluation.cli import main as eval_main
+
+    return eval_main(rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conduit", description="conduit-rt: a runtime for vision-language models "
                                      "that see the same images again and again")
@@ -79,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False).set_defaults(func=_cmd_demo)
     sub.add_parser("bench", help="the benchmark suite: kernels and end-to-end runs vs torch SDPA and transformers",
                    add_help=False).set_defaults(func=_cmd_bench)
+    sub.add_parser("eval", help="the quality table: refresh and compression policies on replayed document-QA sessions",
+                   add_help=False).set_defaults(func=_cmd_eval)
     sub.add_parser("info", help="the native library's version and backends").set_defaults(func=_cmd_info)
     return parser
 
@@ -86,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("convert", "demo", "bench"):
+    if rest and args.command not in ("convert", "demo", "bench", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
