@@ -1,8 +1,8 @@
 // runtime.cu: device memory, copies and device selection for the CUDA backend.
 //
-// Copies are cudaMemcpyAsync on the caller's stream. A host source or destination in pageable
-// memory makes the CUDA runtime stage it, so the host buffer may be reused as soon as the call
-// returns (the runtime uploads short-lived host vectors this way).
+// Copies are cudaMemcpyAsync on the caller's stream. Host-to-device uploads are staged through a
+// pinned ring (see PinnedRing), so the host buffer may be reused as soon as the call returns and the
+// host never waits for the stream; device-to-host copies go to pageable memory and are synchronous.
 //
 // Kernel workspace (stream_workspace): a grow-only device buffer cached per (device, stream) and
 // reused by every later call on that stream. Reuse is safe because work on one stream runs in
@@ -11,9 +11,12 @@
 // before capturing a CUDA graph; (2) two threads must not enqueue on the same stream at once (the
 // arena's one-thread rule already says so); (3) the buffers live until the process exits, on
 // purpose: freeing them from a static destructor would race the CUDA runtime's own teardown.
+#include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "common.cuh"
 
@@ -69,8 +72,79 @@ void memcpy_d2d(void *dst, const void *src, size_t bytes, void *stream) {
     copy_async(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
 }
 
+namespace {
+
+// Host-to-device uploads go through a ring of pinned memory: a cudaMemcpyAsync from pageable memory
+// first waits for the whole stream (the runtime's staging is synchronous), which stalled the host
+// behind the GPU on every decode step (a block-table and position update per layer). Each upload is
+// copied into the ring, the DMA is enqueued, and an event marks when that region may be reused.
+class PinnedRing {
+  public:
+    static constexpr size_t kBytes = size_t(8) << 20;
+
+    const void *stage(const void *src, size_t bytes, cudaStream_t stream, void **event_slot) {
+        if (!base_) CUDA_CHECK(cudaMallocHost(&base_, kBytes));
+        const size_t size = (bytes + 255) / 256 * 256;
+        if (head_ + size > kBytes) head_ = 0; // wrap: the tail of the ring stays unused this lap
+        wait_for(head_, head_ + size);
+        char *out = static_cast<char *>(base_) + head_;
+        std::memcpy(out, src, bytes);
+        inflight_.push_back({head_, head_ + size, take_event()});
+        *event_slot = inflight_.back().event;
+        head_ += size;
+        (void)stream;
+        return out;
+    }
+
+  private:
+    struct Region {
+        size_t begin, end;
+        cudaEvent_t event;
+    };
+
+    // Regions are handed out in ring order, so the ones that may overlap a new region are the oldest.
+    void wait_for(size_t begin, size_t end) {
+        while (!inflight_.empty()) {
+            const Region &r = inflight_.front();
+            const bool overlaps = r.begin < end && begin < r.end;
+            if (!overlaps && inflight_.size() < 4096) break;
+            CUDA_CHECK(cudaEventSynchronize(r.event));
+            free_events_.push_back(r.event);
+            inflight_.pop_front();
+        }
+    }
+
+    cudaEvent_t take_event() {
+        if (!free_events_.empty()) {
+            cudaEvent_t e = free_events_.back();
+            free_events_.pop_back();
+            return e;
+        }
+        cudaEvent_t e;
+        CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        return e;
+    }
+
+    void *base_ = nullptr;
+    size_t head_ = 0;
+    std::deque<Region> inflight_;
+    std::vector<cudaEvent_t> free_events_;
+};
+
+} // namespace
+
 void memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream) {
-    copy_async(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+    if (bytes == 0) return;
+    if (bytes > PinnedRing::kBytes / 4) return copy_async(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+    static std::mutex mutex;
+    static auto *rings = new std::map<int, PinnedRing>(); // one per device; lives until exit, as above
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    void *event = nullptr;
+    const void *staged = (*rings)[device].stage(src, bytes, as_stream(stream), &event);
+    copy_async(dst, staged, bytes, cudaMemcpyHostToDevice, stream);
+    CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), as_stream(stream)));
 }
 
 void memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream) {
