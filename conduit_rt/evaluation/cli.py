@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ModelFormatError
 from . import report
-from .replay import REFERENCE_KEY, Replay, ReplayRequest, build_settings, run_requests
+from .replay import REFERENCE_KEY, build_settings
+from .shards import replay_all
 
 logger = logging.getLogger("conduit_rt.evaluation")
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (two codes are 6, then EOS)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds after which no new session starts (the table covers those replayed)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes replaying requests side by side, each with its own Runtime on the device")
     parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV arena size")
     parser.add_argument("--image-cache-mib", type=int, default=64, help="the image-KV store's share of it")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
@@ -94,23 +97,8 @@ def resolve_model(path: Path, workdir: Path) -> Path:
                            "(config.json); train one with `python -m quality.train --out DIR` and pass DIR/model")
 
 
-def split_requests(args: argparse.Namespace, n: int) -> list[ReplayRequest]:
-    """The test split's requests start..start+n-1 with the messages of the sessions that saw their pages."""
-    from quality.generator import make_request, page_for
-
-    from .sessions import request_messages, seen_before
-
-    pool = [page_for(args.seed, "test", index) for index in range(args.pool_pages)]
-    out = []
-    for index in range(args.start, args.start + n):
-        request = make_request(pool, "test", args.seed, index, min_pages=args.min_pages, max_pages=args.max_pages)
-        out.append(ReplayRequest(request_messages(request), request.answer, request.num_pages,
-                                 seen_before(request, pool, args.seen, salt=index)))
-    return out
-
-
-def collect(args: argparse.Namespace, settings, scores, seconds: float, runtime, model_path: Path,
-            argv: list[str]) -> dict:
+def collect(args: argparse.Namespace, settings, scores, seconds: float, device: torch.device, dtype: torch.dtype,
+            model_path: Path, argv: list[str]) -> dict:
     """The results dict (results.json): configuration, one row per setting, the checks."""
     full_accuracy = scores[REFERENCE_KEY].accuracy
     rows = []
@@ -122,14 +110,14 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, runtime,
     none = scores.get("refresh:none@0")
     gap = 100 * (full_accuracy - none.accuracy) if none is not None and none.n else float("nan")
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
-    config.update(model_name=args.model.name, model_gguf=str(model_path), device=str(runtime.device),
-                  dtype=str(runtime.dtype).replace("torch.", ""),
+    config.update(model_name=args.model.name, model_gguf=str(model_path), device=str(device),
+                  dtype=str(dtype).replace("torch.", ""),
                   command="conduit eval " + " ".join(shlex.quote(a) for a in argv))
     return {
         "config": config,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "device_name": torch.cuda.get_device_name(runtime.device)
-                        if runtime.device.type == "cuda" else platform.processor() or "cpu"},
+                        "device_name": torch.cuda.get_device_name(device)
+                        if device.type == "cuda" else platform.processor() or "cpu"},
         "n_requests": scores[REFERENCE_KEY].n,
         "seconds": seconds,
         "checks": {"full_accuracy": full_accuracy, "none_gap_points": gap,
@@ -139,7 +127,7 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, runtime,
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
-    from ..runtime import Runtime, resolve_device
+    from ..runtime import resolve_device
 
     try:
         import quality  # noqa: F401
@@ -149,16 +137,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model, args.out)
     device = resolve_device(args.device)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    runtime = Runtime(model_path, device=device, dtype=dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-                      image_cache_bytes=args.image_cache_mib << 20, prefix_cache_entries=0)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
     n = args.n if args.n is not None else (500 if device.type == "cuda" else 24)
     settings = build_settings(args.refresh_policies, args.budgets, args.compress_policies, args.keeps,
                               tuple(args.together) if len(args.together) == 2 else None)
-    logger.info("%d settings x %d requests on %s (%s)", len(settings), n, runtime.device, runtime.dtype)
-    requests = split_requests(args, n)
-    scores, seconds = run_requests(Replay(runtime, settings, args.max_tokens), requests, args.time_limit)
-    results = collect(args, settings, scores, seconds, runtime, model_path, argv)
+    logger.info("%d settings x %d requests on %s (%s), %d worker(s)", len(settings), n, device, dtype, args.workers)
+    indices = list(range(args.start, args.start + n))
+    scores, seconds = replay_all(args, model_path, settings, indices, device, dtype)
+    results = collect(args, settings, scores, seconds, device, dtype, model_path, argv)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     report.write_report(results, args.out)
     return results

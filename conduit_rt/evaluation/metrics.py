@@ -96,6 +96,13 @@ class SettingScores:
         for name, value in measures.items():
             self.measures.setdefault(name, []).append(value)
 
+    def extend(self, other: SettingScores) -> None:
+        """Adds another shard's requests (``other`` measured the same setting)."""
+        self.correct += other.correct
+        self.pages += other.pages
+        for name, values in other.measures.items():
+            self.measures.setdefault(name, []).extend(values)
+
     @property
     def n(self) -> int:
         return len(self.correct)

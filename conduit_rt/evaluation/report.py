@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -90,9 +91,10 @@ def headline(results: dict) -> list[str]:
     baseline, and both together."""
     notes = []
     check = results["checks"]
-    notes.append(f"`none` (stale KV, no refresh) scores {check['none_gap_points']:.1f} points below full prefill "
-                 f"({100 * check['full_accuracy']:.1f}% exact match): the benchmark "
-                 f"{'tells' if check['tells_policies_apart'] else 'does NOT tell'} policies apart (needs >= 5 points).")
+    if math.isfinite(check["none_gap_points"]):
+        notes.append(f"`none` (stale KV, no refresh) scores {check['none_gap_points']:.1f} points below full prefill "
+                     f"({100 * check['full_accuracy']:.1f}% exact match): the benchmark "
+                     f"{'tells' if check['tells_policies_apart'] else 'does NOT tell'} policies apart (needs >= 5 points).")
     conduit = refresh_row(results, "conduit", HEADLINE_RATIO)
     if conduit is not None:
         others = [f"`{p}` {_pct(row['accuracy_pct_of_full'])}" for p in REFRESH_ORDER if p != "conduit"
@@ -124,11 +126,11 @@ def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
         "### Setup", setup,
         "### Refresh policies: exact match % (and % of full prefill) by refresh budget",
         refresh_table(results),
-        "`full` and `none` do not depend on the budget; at r = 0 every policy refreshes nothing, so that column "
-        "is `none`.",
+        ("`full` and `none` do not depend on the budget; at r = 0 every policy refreshes nothing, so that column "
+         "is `none`."),
         "### Compression policies: exact match % (and % of full cache) by keep ratio",
         compress_table(results),
-        "`none` keeps the whole cache (the full-prefill reference run with compression on and nothing dropped).",
+        "`none` keeps the whole cache (a full prefill with compression on and nothing dropped).",
         "### Every setting",
         detail_table(results),
         f"![accuracy by budget]({plot_name})",
@@ -204,9 +206,14 @@ Command (one H200, under five minutes; the trained model folder as `--model`):
 """
 
 
-def docs_page(results: dict, plot_name: str) -> str:
+def docs_page(results: dict, plot_name: str, note: str | None = None) -> str:
+    """The docs page; ``note`` (optional) is shown as a quote under the title."""
     command = results["config"].get("command") or "conduit eval --model MODEL --out OUT"
-    return INTRO.replace("{command}", command) + "\n## Results\n\n" + tables_markdown(results, plot_name)
+    page = INTRO.replace("{command}", command)
+    if note:
+        title, rest = page.split("\n", 1)
+        page = f"{title}\n\n> {note}\n{rest}"
+    return page + "\n## Results\n\n" + tables_markdown(results, plot_name)
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -217,10 +224,10 @@ def write_report(results: dict, out: Path) -> None:
     (out / "quality.md").write_text(docs_page(results, "quality.png"))
 
 
-def write_docs(results: dict, plot_path: Path | None, docs: Path) -> None:
+def write_docs(results: dict, plot_path: Path | None, docs: Path, note: str | None = None) -> None:
     """docs/quality.md and docs/quality.png (the plot copied from a run, or drawn again)."""
     docs.mkdir(parents=True, exist_ok=True)
-    (docs / "quality.md").write_text(docs_page(results, "quality.png"))
+    (docs / "quality.md").write_text(docs_page(results, "quality.png", note))
     if plot_path is not None and plot_path.is_file():
         shutil.copyfile(plot_path, docs / "quality.png")
     else:
@@ -232,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="regenerate the quality docs page from a run's results.json")
     parser.add_argument("results", type=Path, help="results.json of a `conduit eval` run")
     parser.add_argument("--docs", type=Path, default=Path("docs"), help="folder for quality.md and quality.png")
+    parser.add_argument("--note", default=None, help="a line shown under the page's title")
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    write_docs(results, args.results.parent / "plot.png", args.docs)
+    write_docs(results, args.results.parent / "plot.png", args.docs, args.note)
     print(f"wrote {args.docs / 'quality.md'} and {args.docs / 'quality.png'}")
     return 0
 
