@@ -198,7 +198,7 @@ averages over every decode step whose earlier tokens equal the reference's (wher
 acts). Prefill FLOPs: linear + attention FLOPs of the prefill over those of a full prefill (the
 runtime's count, scoring included). KV kept: the sequence's KV bytes after compression over before.
 
-Command (one H200, under five minutes; the trained model folder as `--model`):
+The command that produced these numbers (on one H200 the whole table takes under five minutes):
 
 ```
 {command}
