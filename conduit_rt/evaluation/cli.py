@@ -108,7 +108,7 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
         row.update(scores[setting.key].summary(full_accuracy))
         rows.append(row)
     none = scores.get("refresh:none@0")
-    gap = 100 * (full_accuracy - none.accuracy) if none is not None and none.n else float("nan")
+    gap = 100 * (full_accuracy - none.accuracy) if none is not None and none.n else None
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     config.update(model_name=args.model.name, model_gguf=str(model_path), device=str(device),
                   dtype=str(dtype).replace("torch.", ""),
@@ -121,7 +121,7 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
         "n_requests": scores[REFERENCE_KEY].n,
         "seconds": seconds,
         "checks": {"full_accuracy": full_accuracy, "none_gap_points": gap,
-                   "tells_policies_apart": bool(gap >= GAP_POINTS)},
+                   "tells_policies_apart": gap is not None and gap >= GAP_POINTS},
         "rows": rows,
     }
 
@@ -132,8 +132,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     try:
         import quality  # noqa: F401
     except ImportError as error:
-        raise SystemExit("conduit eval needs the `quality` package (the task generator): run it from a source "
-                         f"checkout of conduit-rt ({error})") from None
+        raise SystemExit("conduit eval needs the `quality` package (the task generator), installed with conduit-rt "
+                         f"or importable from a source checkout ({error})") from None
     args.out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model, args.out)
     device = resolve_device(args.device)

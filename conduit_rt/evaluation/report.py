@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -91,7 +90,7 @@ def headline(results: dict) -> list[str]:
     baseline, and both together."""
     notes = []
     check = results["checks"]
-    if math.isfinite(check["none_gap_points"]):
+    if check["none_gap_points"] is not None:
         notes.append(f"`none` (stale KV, no refresh) scores {check['none_gap_points']:.1f} points below full prefill "
                      f"({100 * check['full_accuracy']:.1f}% exact match): the benchmark "
                      f"{'tells' if check['tells_policies_apart'] else 'does NOT tell'} policies apart (needs >= 5 points).")
