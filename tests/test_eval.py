@@ -25,6 +25,15 @@ transformers = pytest.importorskip("transformers")
 SEED = 5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matrices are far too small for intra-op threads (which only contend for CI's cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def task_model(tmp_path_factory):
     """The tiny task model with perturbed weights (logits far from uniform): (HF folder, GGUF folder)."""
