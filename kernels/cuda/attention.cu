@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "attention_kernel.cuh"
+#include "attention_mma.cuh"
 
 namespace conduit::kernels::cuda {
 namespace {
@@ -121,6 +122,10 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
     p.out = out;
     p.lse = lse;
+    if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group)) { // many queries: tensor cores
+        launch_mma_attention(p, kv.dtype, as_stream(stream));
+        return;
+    }
     dispatch_dtype(kv.dtype, [&](auto dtype) {
         using T = typename decltype(dtype)::type;
         dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {

@@ -39,6 +39,7 @@ struct Fiber {
 struct Warp {
     Barrier barrier;
     uint64_t slots[32] = {};
+    unsigned char wide[32][kWarpGatherBytes] = {};
 };
 
 ucontext_t g_scheduler;
@@ -81,6 +82,7 @@ void fiber_main() {
 struct Block {
     Barrier barrier;
     std::vector<Warp> warps;
+    std::vector<unsigned char> flags; // one per thread, for block_any
     std::vector<unsigned char> dynamic;
 };
 
@@ -107,6 +109,75 @@ bool warp_any(bool mine) {
     return any;
 }
 
+void warp_gather(const void *mine, int bytes, void *all) {
+    if (bytes > kWarpGatherBytes) std::abort();
+    Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];
+    std::memcpy(w.wide[g_current->thread.linear % 32], mine, size_t(bytes));
+    arrive(w.barrier, "warp gather");
+    for (int l = 0; l < 32; ++l) std::memcpy(static_cast<unsigned char *>(all) + l * bytes, w.wide[l], size_t(bytes));
+    arrive(w.barrier, "warp gather");
+}
+
+bool block_any(bool mine) {
+    Block &b = *g_current->thread.block;
+    b.flags[size_t(g_current->thread.linear)] = mine;
+    arrive(b.barrier, "__syncthreads_or");
+    bool any = false;
+    for (unsigned char f : b.flags) any |= f != 0;
+    arrive(b.barrier, "__syncthreads_or");
+    return any;
+}
+
+// ldmatrix .m8n8.x4.b16: lane l gives the address of row l % 8 of matrix l / 8; register j of lane
+// l gets (row l / 4, columns 2 (l % 4), +1) of matrix j, or with .trans (rows 2 (l % 4), +1,
+// column l / 4), the lower index in the low half.
+void ldmatrix_x4(uint32_t *r, const void *smem, bool trans) {
+    const void *rows[32];
+    warp_gather(&smem, sizeof(smem), rows);
+    const int lane = g_current->thread.linear % 32;
+    auto element = [&](int matrix, int row, int col) {
+        uint16_t v;
+        std::memcpy(&v, static_cast<const unsigned char *>(rows[matrix * 8 + row]) + 2 * col, 2);
+        return uint32_t(v);
+    };
+    for (int j = 0; j < 4; ++j) {
+        if (trans) r[j] = element(j, 2 * (lane % 4), lane / 4) | (element(j, 2 * (lane % 4) + 1, lane / 4) << 16);
+        else r[j] = element(j, lane / 4, 2 * (lane % 4)) | (element(j, lane / 4, 2 * (lane % 4) + 1) << 16);
+    }
+}
+
+namespace {
+float half_bits_to_float(uint32_t bits, bool bf16) {
+    if (bf16) return __uint_as_float(bits << 16);
+    __half_raw raw;
+    raw.x = uint16_t(bits);
+    return __half2float(__half(raw));
+}
+} // namespace
+
+// mma.m16n8k16.row.col f32 += {bf16|f16}: A 16x16 (lane (r % 8) * 4 + (k % 8) / 2, register
+// r / 8 + 2 (k / 8), half k % 2), B 16x8 (lane n * 4 + (k % 8) / 2, register k / 8, half k % 2),
+// C/D 16x8 (lane (r % 8) * 4 + n / 2, element 2 (r / 8) + n % 2).
+void mma_m16n8k16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1, bool bf16) {
+    uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1}, all[32][6];
+    warp_gather(mine, sizeof(mine), all);
+    auto a_at = [&](int r, int k) {
+        const uint32_t reg = all[(r % 8) * 4 + (k % 8) / 2][r / 8 + 2 * (k / 8)];
+        return half_bits_to_float(k % 2 ? reg >> 16 : reg & 0xffffu, bf16);
+    };
+    auto b_at = [&](int k, int n) {
+        const uint32_t reg = all[n * 4 + (k % 8) / 2][4 + k / 8];
+        return half_bits_to_float(k % 2 ? reg >> 16 : reg & 0xffffu, bf16);
+    };
+    const int lane = g_current->thread.linear % 32;
+    for (int j = 0; j < 4; ++j) {
+        const int r = lane / 4 + 8 * (j / 2), n = 2 * (lane % 4) + j % 2;
+        double sum = 0.0;
+        for (int k = 0; k < 16; ++k) sum += double(a_at(r, k)) * double(b_at(k, n));
+        d[j] = float(double(d[j]) + sum);
+    }
+}
+
 void cp_async(void *dst, const void *src, int bytes, bool pred) { g_current->open.push_back({dst, src, bytes, pred}); }
 void cp_commit() {
     g_current->groups.push_back(std::move(g_current->open));
@@ -120,9 +191,11 @@ void cp_wait(int pending) {
     }
 }
 
+int g_smem_limit = 0; // the largest dynamic shared memory a kernel opted into (cudaFuncSetAttribute)
+
 void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body) {
     const int threads = int(block.x * block.y * block.z);
-    if (threads < 1 || threads > 1024 || grid.y > 65535 || grid.z > 65535 || smem > 48 * 1024) {
+    if (threads < 1 || threads > 1024 || grid.y > 65535 || grid.z > 65535 || smem > size_t(std::max(48 * 1024, g_smem_limit))) {
         std::fprintf(stderr, "emu: bad launch grid (%u,%u,%u) block (%u,%u,%u) smem %zu\n", grid.x, grid.y, grid.z,
                      block.x, block.y, block.z, smem);
         std::abort();
@@ -136,6 +209,7 @@ void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void
                 Block state;
                 state.barrier.count = threads;
                 state.dynamic.assign(smem, 0xff);
+                state.flags.assign(size_t(threads), 0);
                 state.warps.resize(size_t((threads + 31) / 32));
                 for (size_t w = 0; w < state.warps.size(); ++w) state.warps[w].barrier.count = std::min(32, threads - 32 * int(w));
                 for (int t = 0; t < threads; ++t) {
@@ -198,6 +272,15 @@ cudaError_t cudaMalloc(void **ptr, size_t size) {
     return *ptr ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFree(void *ptr) { std::free(ptr); return cudaSuccess; }
+cudaError_t cudaMallocHost(void **ptr, size_t size) { return cudaMalloc(ptr, size); }
+// Events: every emulated operation completes before its call returns, so an event is always done.
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int) {
+    static char token;
+    *event = reinterpret_cast<cudaEvent_t>(&token);
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind, cudaStream_t) {
     std::memmove(dst, src, count);
     return cudaSuccess;
@@ -209,6 +292,13 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t) {
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int) {
     *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0; // few SMs: small problems still split
+    return cudaSuccess;
+}
+cudaError_t cudaFuncSetAttribute(const void *, enum cudaFuncAttribute attr, int value) {
+    if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+        if (value > 227 * 1024) return cudaErrorInvalidValue;
+        emu::g_smem_limit = std::max(emu::g_smem_limit, value);
+    }
     return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) { const cudaError_t e = t_last; t_last = cudaSuccess; return e; }

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Device intrinsics the kernels use.
@@ -57,6 +58,16 @@ void sync_block();
 // Exchanges 8 bytes with the other lanes of the warp; returns the value lane `src_lane` gave.
 uint64_t warp_exchange(uint64_t mine, int src_lane);
 bool warp_any(bool mine);
+// Copies `bytes` (at most kWarpGatherBytes) from every lane of the warp into all[lane * bytes].
+constexpr int kWarpGatherBytes = 64;
+void warp_gather(const void *mine, int bytes, void *all);
+// __syncthreads_or: a block barrier that returns whether any thread passed true.
+bool block_any(bool mine);
+// Scalar models of the warp-wide tensor-core instructions (fragment layouts of the PTX ISA).
+void ldmatrix_x4(uint32_t *r, const void *smem, bool trans);
+void mma_m16n8k16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1, bool bf16);
+
+extern int g_smem_limit; // dynamic shared memory above 48 KiB that cudaFuncSetAttribute allowed
 
 // Runs `body` once per thread of every block.
 void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body);
@@ -96,6 +107,8 @@ template <typename T> T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 
     return out;
 }
 
+inline int __syncthreads_or(int pred) { return emu::block_any(pred != 0) ? 1 : 0; }
+
 inline int __any_sync(unsigned, int pred) { return emu::warp_any(pred != 0) ? 1 : 0; }
 
 inline unsigned long long atomicAdd(unsigned long long *address, unsigned long long value) {
@@ -107,4 +120,10 @@ inline void cp_async16(void *smem, const void *gmem, bool pred) { emu::cp_async(
 inline void cp_async4(void *smem, const void *gmem, bool pred) { emu::cp_async(smem, gmem, 4, pred); }
 inline void cp_async_commit() { emu::cp_commit(); }
 template <int kPending> void cp_async_wait() { emu::cp_wait(kPending); }
+inline void ldmatrix_x4(uint32_t (&r)[4], const void *smem) { emu::ldmatrix_x4(r, smem, false); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void *smem) { emu::ldmatrix_x4(r, smem, true); }
+template <typename T> void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or f16");
+    emu::mma_m16n8k16(d, a, b0, b1, std::is_same_v<T, __nv_bfloat16>);
+}
 } // namespace conduit::kernels::cuda

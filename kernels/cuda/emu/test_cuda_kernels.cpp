@@ -298,6 +298,17 @@ int main() {
     test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
     test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, true);
     test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, true);
+    // Many queries, bf16/f16, head_dim 64/128: the tensor-core path (attention_mma.cu); key counts
+    // around the 64-slot tile, rows around the 64-row CTA tile.
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            test_attention(t, 2, 4, d, blocks[randint(0, 2)], 300, 65, false);
+            test_attention(t, 1, groups[randint(0, 5)], d, 32, 63, 16, randint(0, 1));
+            test_attention(t, 2, 1, d, 1, 130, 70, false, true);
+            test_attention(t, 1, 8, d, 256, 65, 24, false, true);
+        }
+    test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 20, false); // no keys at all
+    test_attention(kc::DType::F16, 1, 3, 64, 2, 1, 17, false);
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     for (kc::DType t : dtypes)

@@ -1,0 +1,97 @@
+// attention_mma.cuh: the tensor-core (mma.sync m16n8k16) attention path for many queries: the warp
+// primitives it uses (ldmatrix, mma, bf16/f16 packing), its tile geometry and the host entry point
+// attention.cu dispatches to. Kernel: attention_mma.cu.
+//
+// The emulator (emu/emu.h) supplies scalar models of ldmatrix_x4, ldmatrix_x4_trans and
+// mma_m16n8k16 with the same fragment layouts, so the kernel can be checked on a CPU.
+#pragma once
+
+#include "attention_shape.cuh"
+
+namespace conduit::kernels::cuda {
+
+// Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
+// KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
+// shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions.
+template <int kHeadDim> struct MmaShape {
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kRows = 16 * kWarps;
+    static constexpr int kKeys = 64;
+    static constexpr int kStages = 2;
+    static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks per K or V row
+    static constexpr int kTileChunks = kKeys * kRowChunks;     // one K (or V) tile
+    static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
+    static constexpr int kDimSteps = kHeadDim / 16;            // k-steps of Q K^T
+    static constexpr int kKeyTiles = kKeys / 8;                // n-tiles of S = Q K^T
+    static constexpr int kDimTiles = kHeadDim / 8;             // n-tiles of O = P V
+    static constexpr size_t kSmemBytes = size_t(kStages) * kStageChunks * 16 + size_t(kStages) * kKeys * 4;
+};
+
+// Shared-memory chunk index of (row, 16-byte chunk) in a K or V tile: the chunk is XORed with the
+// row's low 3 bits so that the 8 rows one ldmatrix phase reads fall in 8 different bank groups.
+template <int kRowChunks> __device__ __forceinline__ int swizzled(int row, int chunk) {
+    return row * kRowChunks + (chunk ^ (row & 7));
+}
+
+// Two values rounded to T and packed as one 32-bit register, `lo` in the low half (the lower
+// column of an mma fragment pair).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    const T a = from_float<T>(lo), b = from_float<T>(hi);
+    uint16_t a_bits, b_bits;
+    memcpy(&a_bits, &a, 2);
+    memcpy(&b_bits, &b, 2);
+    return uint32_t(a_bits) | (uint32_t(b_bits) << 16);
+}
+
+#ifndef CONDUIT_CUDA_EMULATION
+// Four 8x8 b16 matrices: lane l gives the address of row l % 8 of matrix l / 8; register j of lane
+// l receives row l / 4, columns 2 (l % 4), +1 of matrix j (.trans: rows and columns swapped).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *smem) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *smem) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// d += a (16x16, row-major fragments) * b (16x8, column-major fragments), float32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                            uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif // CONDUIT_CUDA_EMULATION
+
+// Whether attention.cu should take the tensor-core path for these shapes.
+inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, int32_t group) {
+    const bool half_type = dtype == DType::BF16 || dtype == DType::F16;
+    const bool dims = head_dim == 64 || head_dim == 128;
+    return half_type && dims && (n_q >= 16 || int64_t(n_q) * group >= 64);
+}
+
+// Launches the tensor-core attention for p (from attention_params, with out and lse set).
+void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t stream);
+
+} // namespace conduit::kernels::cuda
