@@ -9,7 +9,7 @@ METHODS.md §1 defines each one; ``conduit`` is the method, the others are basel
   first       the first tokens of each image, apportioned by image size (MPIC/EPIC-style)
   random      uniformly random tokens (seeded)
   attention   attention mass of the query rows, no value norm, no amplification (ProphetKV-style)
-  cacheblend  layer-wise: every token at layer 0, then the top tokens by ||dK|| + ||dV|| per layer,
+  cacheblend  layer-wise: every token on layers 0-1, then the top tokens by ||dK|| + ||dV|| per layer,
               counts decaying linearly with mean = budget (recomputed inside the pass: ``layerwise``)
   conduit     attention mass x value norm, layer mean, image-level amplification, one global top-k
 """
@@ -201,26 +201,35 @@ class CacheBlend(RefreshPolicy):
     name = "cacheblend"
     layerwise = True
 
+    # Every token is recomputed on the first two layers: a token's layer-0 K and V depend on its own
+    # embedding only, so the first informative deviation (||dK|| + ||dV||) is the one after layer 1.
+    FULL_LAYERS = 2
+
     @staticmethod
     def layer_counts(n_visual: int, budget: int, n_layers: int) -> list[int]:
-        """Counts starting at every token on layer 0 and falling linearly (clipped at 0), with
-        sum exactly budget * n_layers, so that the mean per layer is the budget."""
-        total = budget * n_layers
-        if total == 0:
+        """Visual tokens recomputed per layer: all of them on the first FULL_LAYERS layers, then a
+        count falling linearly (clipped at 0) so that the total is budget * n_layers where the first
+        layers leave room for it (so the mean per layer is the budget)."""
+        if budget == 0:
             return [0] * n_layers
-        if total >= n_visual * n_layers:
+        full = min(CacheBlend.FULL_LAYERS, n_layers)
+        rest_layers = n_layers - full
+        rest = max(0, budget * n_layers - full * n_visual)
+        if rest_layers == 0 or rest == 0:
+            return [n_visual] * full + [0] * rest_layers
+        if rest >= n_visual * rest_layers:
             return [n_visual] * n_layers
 
-        def mass(t: float) -> float:  # sum over layers of max(0, 1 - l / t)
-            return sum(max(0.0, 1.0 - layer / t) for layer in range(n_layers))
+        def mass(t: float) -> float:  # sum over the remaining layers of max(0, 1 - (i + 1) / t)
+            return sum(max(0.0, 1.0 - (i + 1) / t) for i in range(rest_layers))
 
         lo, hi = 1e-9, 4.0 * n_layers
-        for _ in range(100):  # bisection on the decay length so that n_visual * mass(t) = total
+        for _ in range(100):  # bisection on the decay length so that n_visual * mass(t) = rest
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if n_visual * mass(mid) < total else (lo, mid)
-        weights = [max(0.0, 1.0 - layer / hi) for layer in range(n_layers)]
+            lo, hi = (mid, hi) if n_visual * mass(mid) < rest else (lo, mid)
+        weights = [max(0.0, 1.0 - (i + 1) / hi) for i in range(rest_layers)]
         # sorted: a deeper layer never recomputes more tokens than the one before (its tokens are a subset)
-        return sorted(apportion(weights, total, [n_visual] * n_layers), reverse=True)
+        return [n_visual] * full + sorted(apportion(weights, rest, [n_visual] * rest_layers), reverse=True)
 
     def select(self, tokens, budget, scores, options):
         raise RuntimeError("cacheblend selects inside the recompute pass (reuse.recompute_layerwise)")

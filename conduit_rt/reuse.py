@@ -190,11 +190,10 @@ class ReusePass:
 
     def _recompute_layerwise(self, tokens: VisualTokens, budget: int, text_positions: list[int],
                              capture: PassCapture) -> torch.Tensor:
-        """CacheBlend: every visual token at layer 0, then per layer the ones whose fresh K, V moved
+        """CacheBlend: every visual token on layers 0-1, then per layer the ones whose fresh K, V moved
         most from the cached ones (||dK|| + ||dV||), counts falling linearly (mean = budget)."""
         config = self.model.config
         counts = CacheBlend.layer_counts(tokens.n, budget, config.n_layers)
-        counts[0] = tokens.n
         self.stats.refreshed_tokens = budget
         first = int(tokens.slots.min())
         text_rows = [p for p in text_positions if p > first]

@@ -95,8 +95,9 @@ def test_every_policy_refreshes_exactly_its_budget(model_dir, warm, policy, rati
     if expected and policy != "cacheblend":
         assert stats.recomputed_token_layers >= expected * runtime.model.config.n_layers
     if policy == "cacheblend" and expected:
-        # counts decay from all tokens at layer 0; their mean is the budget (or layer 0 when larger)
-        assert stats.recomputed_token_layers >= max(n_vis, expected * runtime.model.config.n_layers)
+        # every visual token on the first two layers, then counts whose mean is the budget where it leaves room
+        n_layers = runtime.model.config.n_layers
+        assert stats.recomputed_token_layers >= max(min(2, n_layers) * n_vis, expected * n_layers)
 
 
 class RecordingConduit(Conduit):
@@ -204,3 +205,13 @@ def test_a_small_image_budget_evicts_and_keeps_answering_correctly(model_dir):
     assert stats.image_misses >= 2 and runtime.arena.stats().image_bytes <= runtime.arena.image_cache_bytes
     expected = cold_logits(model_dir, messages)
     assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("n_visual,budget,n_layers", [(100, 10, 32), (576 * 8, 461, 32), (50, 30, 4), (50, 3, 2), (64, 20, 6)])
+def test_cacheblend_layer_counts_start_full_decay_and_keep_the_budget(n_visual, budget, n_layers):
+    from conduit_rt.refresh import CacheBlend
+
+    counts = CacheBlend.layer_counts(n_visual, budget, n_layers)
+    assert counts[: min(2, n_layers)] == [n_visual] * min(2, n_layers)
+    assert all(a >= b for a, b in zip(counts, counts[1:]))
+    assert sum(counts) == max(budget * n_layers, min(2, n_layers) * n_visual)
