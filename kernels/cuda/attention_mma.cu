@@ -19,19 +19,24 @@
 namespace conduit::kernels::cuda {
 namespace {
 
-// Reads the positions of the tile at tile_start into stage_pos and, when some slot of the tile is
-// visible to the CTA's latest query (max_q_pos), issues the cp.async copies of its K and V rows
-// (zero-filled rows for slots past the end or visible to no row). Returns whether the tile has a
-// visible slot; call from all threads (it contains a barrier).
+// The position of slot tile * kKeys + threadIdx.x (threads below kKeys; 0 elsewhere or past the
+// end). Read one tile ahead of load_tile, so that the load is in flight during a tile's compute.
+template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const AttentionParams &p, int32_t tile) {
+    const int32_t slot = tile * MmaShape<kHeadDim>::kKeys + int32_t(threadIdx.x);
+    return threadIdx.x < MmaShape<kHeadDim>::kKeys && slot < p.n_tokens ? p.positions[slot] : 0;
+}
+
+// Stores the positions of the tile at tile_start (`pos`, from slot_position) in stage_pos and, when
+// some slot of the tile is visible to the CTA's latest query (max_q_pos), issues the cp.async
+// copies of its K and V rows (zero-filled rows for slots past the end or visible to no row).
+// Returns whether the tile has a visible slot; call from all threads (it contains a barrier).
 template <typename T, int kHeadDim>
-__device__ __forceinline__ bool load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
+__device__ __forceinline__ bool load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start, int32_t pos,
                                           int32_t max_q_pos, uint4 *stage, int32_t *stage_pos) {
     using S = MmaShape<kHeadDim>;
     bool visible = false;
     if (threadIdx.x < S::kKeys) {
-        const int32_t slot = tile_start + int32_t(threadIdx.x);
-        const int32_t pos = slot < p.n_tokens ? p.positions[slot] : 0;
-        visible = slot < p.n_tokens && pos <= max_q_pos;
+        visible = tile_start + int32_t(threadIdx.x) < p.n_tokens && pos <= max_q_pos;
         stage_pos[threadIdx.x] = pos;
     }
     if (!__syncthreads_or(visible)) return false;
@@ -146,14 +151,17 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
     float run_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, run_sum[2] = {0.0f, 0.0f}; // base 2; sums lane-partial
 
     const int32_t n_tiles = (p.n_tokens + S::kKeys - 1) / S::kKeys;
-    bool live = n_tiles > 0 && load_tile<T, kHeadDim>(p, kv_head, 0, max_q_pos, mma_smem, pos_smem);
+    int32_t pos_ahead = slot_position<kHeadDim>(p, 0);
+    bool live = n_tiles > 0 && load_tile<T, kHeadDim>(p, kv_head, 0, pos_ahead, max_q_pos, mma_smem, pos_smem);
+    pos_ahead = slot_position<kHeadDim>(p, 1);
     cp_async_commit();
     for (int32_t tile = 0; tile < n_tiles; ++tile) {
         bool next_live = false;
         if (tile + 1 < n_tiles) {
             const int next = (tile + 1) % S::kStages;
-            next_live = load_tile<T, kHeadDim>(p, kv_head, (tile + 1) * S::kKeys, max_q_pos,
+            next_live = load_tile<T, kHeadDim>(p, kv_head, (tile + 1) * S::kKeys, pos_ahead, max_q_pos,
                                                mma_smem + next * S::kStageChunks, pos_smem + next * S::kKeys);
+            pos_ahead = slot_position<kHeadDim>(p, tile + 2);
         }
         cp_async_commit();
         cp_async_wait<1>();
