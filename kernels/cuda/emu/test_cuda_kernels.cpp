@@ -309,6 +309,8 @@ int main() {
         }
     test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 20, false); // no keys at all
     test_attention(kc::DType::F16, 1, 3, 64, 2, 1, 17, false);
+    test_attention(kc::DType::BF16, 1, 2, 64, 8, 300, 300, false, true);  // early CTAs skip whole key tiles
+    test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, true);
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     for (kc::DType t : dtypes)
