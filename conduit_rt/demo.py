@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 from pathlib import Path
+
+import torch
 
 BUNDLED_MODEL = Path(__file__).resolve().parent / "data" / "quality_model"
 
@@ -42,6 +43,23 @@ def converted_model(hf_dir: Path) -> Path:
     return out / "model.gguf"
 
 
+def load_runtime(model_dir: Path, device: str):
+    """The Runtime of the trained quality model; without one, a tiny random-weight LLaVA (the cache
+    mechanics are the same, the answers are noise) with a notice saying so."""
+    from .runtime import Runtime, resolve_device
+
+    if (model_dir / "config.json").is_file():
+        return Runtime(converted_model(model_dir), device=device, prefix_cache_entries=0)
+    from .bench.synthetic import llava_configs
+    from .models.random_init import random_llava
+
+    print(f"NOTE: no trained model at {model_dir} (issue 8 has not shipped one yet): this run uses a tiny\n"
+          "LLaVA with random weights. Its answers are noise; cache hits, refreshed tokens and TTFT are real.\n")
+    target = resolve_device(device)
+    model = random_llava(*llava_configs("tiny"), target, torch.bfloat16 if target.type == "cuda" else torch.float32)
+    return Runtime.from_model(model, kv_cache_bytes=64 << 20, prefix_cache_entries=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conduit demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="a Hugging Face folder of a quality model")
@@ -49,16 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--budget", type=float, default=0.1, help="CONDUIT refresh budget")
     args = parser.parse_args(argv)
-    if not (args.model / "config.json").is_file():
-        print(f"conduit demo: no model at {args.model}", file=sys.stderr)
-        return 2
 
     from quality.data import build_pool
     from quality.generator import retagged_request
 
-    from .runtime import Runtime
-
-    runtime = Runtime(converted_model(args.model), device=args.device, prefix_cache_entries=0)
+    runtime = load_runtime(args.model, args.device)
     print(f"model on {runtime.device} ({runtime.dtype}); {runtime.model.config.tokens_per_image} tokens per page\n")
     pool = build_pool(seed=0, split="test", size=64)
     requests = pool.requests(args.requests, min_pages=3, max_pages=6)
