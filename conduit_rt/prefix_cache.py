@@ -26,7 +26,7 @@ class PrefixCache:
         and the prefix length; (None, 0) when no prefix of at least ``min_tokens`` is kept."""
         best_id, best_len = None, 0
         for entry_id, (held, _) in self._entries.items():
-            n = _common_prefix(held, identity)
+            n = common_prefix(held, identity)
             if n > best_len:
                 best_id, best_len = entry_id, n
         if best_id is None or best_len < self.min_tokens:
@@ -53,7 +53,8 @@ class PrefixCache:
             seq.free()
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two sequences."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -26,7 +26,7 @@ from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
 from .errors import ArenaFullError, RequestError
 from .image_cache import EmbeddingCache, ImageKVStore
 from .models.base import ForwardBatch, PreparedImage
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, common_prefix
 from .preprocess import image_key, to_rgb_array
 from . import compress as compression
 from .compress import CompressionPolicy, CompressOptions, PromptStats, Recompressor
@@ -308,7 +308,7 @@ class Runtime:
     def _exact_prefix(self, turn: Any, identity: list) -> tuple[Any, int]:
         """A sequence holding the longest known exact prefix of the prompt, and its length."""
         if turn is not None and turn.seq is not None:
-            seq, reused = turn.seq, _common_prefix(turn.identity, identity)
+            seq, reused = turn.seq, common_prefix(turn.identity, identity)
         else:
             seq, reused = self.prefix_cache.longest(identity)
             if seq is None:
@@ -455,15 +455,6 @@ def _identity(prompt: Prompt, keys: list[bytes]) -> list:
         for j in range(slot.n_tokens):
             out[slot.start + j] = ("i", keys[slot.image_index], j)
     return out
-
-
-def _common_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
