@@ -22,19 +22,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from conduit_rt.arena import KVArena
 from conduit_rt.chat import Prompt, Segment, TextRun
 from conduit_rt.errors import ModelFormatError
 from conduit_rt.model_config import QwenVisionConfig, TextModelConfig
-from conduit_rt.model_file import GGUFModelFile, load_mmproj_file, load_text_model_file
 
 from . import llama, qwen2vl_vision
-from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, PreparedImage
+from .arena_model import (
+    ArenaVisionLanguageModel,
+    assign_weights,
+    build_assets,
+    decoder_config,
+    open_model_files,
+)
+from .base import ModelAssets, ModelConfig, PreparedImage
 from .rope import RopeConfig
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def mrope_positions(
@@ -62,39 +65,16 @@ def mrope_positions(
     return torch.cat(rows, dim=1).to(torch.int32)
 
 
-class Qwen2VLModel(nn.Module):
+class Qwen2VLModel(ArenaVisionLanguageModel):
     """A loaded Qwen2-VL / Qwen2.5-VL (see ``base.VisionLanguageModel`` for the contract of each method)."""
 
     def __init__(self, config: ModelConfig, assets: ModelAssets, vision: QwenVisionConfig | None) -> None:
-        super().__init__()
-        self.config, self.assets = config, assets
-        self.language_model = llama.LlamaDecoder(config, attention_bias=True, output_bias=False)
+        super().__init__(config, assets, llama.LlamaDecoder(config, attention_bias=True, output_bias=False))
         self.visual = qwen2vl_vision.QwenVisionTower(vision) if vision else None
         self.merge_size = vision.spatial_merge_size if vision else 1
-        self.device, self.dtype = torch.device("meta"), torch.float32
 
-    @property
-    def has_vision(self) -> bool:
-        return self.visual is not None
-
-    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16) -> KVArena:
-        c = self.config
-        arena = KVArena(
-            n_layers=c.n_layers,
-            n_kv_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=block_size,
-            kv_bytes=kv_bytes,
-            image_cache_bytes=image_cache_bytes,
-        )
-        self.language_model.rotary.configure(arena)
-        return arena
-
-    @torch.no_grad()
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(ids)
+    def vision_module(self) -> nn.Module | None:
+        return self.visual
 
     def prepare_image(self, rgb: np.ndarray) -> PreparedImage:
         """[H, W, 3] uint8 -> patches [t*h*w, 3*2*p*p] float32, (t*h*w) / merge^2 tokens, grid (t, h, w)."""
@@ -124,69 +104,19 @@ class Qwen2VLModel(nn.Module):
         grids = [image.grid_thw for image in images]
         return mrope_positions(prompt.segments, grids, self.merge_size)
 
-    def _require_vision(self) -> None:
-        if self.visual is None:
-            raise ModelFormatError("this model was loaded without its mmproj file: it cannot encode images")
-
-    @torch.no_grad()
-    def forward(
-        self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
-    ) -> torch.Tensor:
-        return self.language_model(seq, embeds, batch, capture)
-
-    @torch.no_grad()
-    def forward_layer(
-        self, layer: int, seq, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
-    ) -> torch.Tensor:
-        """One decoder layer: x [n, hidden] -> [n, hidden]; writes the layer's K, V of the n tokens."""
-        return self.language_model.forward_layer(layer, seq, x, batch, capture)
-
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.logits(hidden)
-
 
 def model_config(text: TextModelConfig, vision: QwenVisionConfig | None) -> ModelConfig:
     """The Runtime's view of a Qwen2-VL pair of files (tokens per image vary: 0 here)."""
     architecture = "qwen2vl" if vision is None or not vision.is_qwen25 else "qwen2.5vl"
-    return ModelConfig(
-        architecture=architecture,
-        n_layers=text.num_hidden_layers,
-        n_heads=text.num_attention_heads,
-        n_kv_heads=text.num_key_value_heads,
-        head_dim=text.head_dim,
-        hidden=text.hidden_size,
-        intermediate=text.intermediate_size,
-        vocab=text.vocab_size,
-        rms_norm_eps=text.rms_norm_eps,
-        rope=RopeConfig(theta=text.rope_theta, rotary_dim=text.head_dim, sections=text.rope_sections),
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
-        image_token_id=text.image_token_id,
-        tokens_per_image=0,
-        image_size=0,
-        vision_hidden=vision.hidden_size if vision else 0,
-    )
+    rope = RopeConfig(theta=text.rope_theta, rotary_dim=text.head_dim, sections=text.rope_sections)
+    return decoder_config(text, architecture, rope, vision_hidden=vision.hidden_size if vision else 0)
 
 
 def model_assets(text: TextModelConfig, vision: QwenVisionConfig | None, mmproj_path: Path | None) -> ModelAssets:
     """Tokenizer, chat template and image preprocessing stored in the model files."""
-    import hashlib
-
-    from conduit_rt.chat import ChatTemplate
     from conduit_rt.preprocess import QwenVLPreprocessParams
-    from conduit_rt.tokenizer import TextTokenizer
 
-    tokenizer = TextTokenizer.from_json_and_ids(
-        text.tokenizer_json,
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
-        unk_token_id=text.unk_token_id,
-        pad_token_id=text.pad_token_id,
-        add_bos_token=text.add_bos_token,
-        add_eos_token=text.add_eos_token,
-    )
-    preprocess, vision_id = None, ""
+    preprocess = None
     if vision is not None:
         preprocess = QwenVLPreprocessParams.from_hf_config(
             vision.preprocessor_config
@@ -197,21 +127,7 @@ def model_assets(text: TextModelConfig, vision: QwenVisionConfig | None, mmproj_
                 "image_std": list(vision.image_std),
             }
         )
-        # Without a source fingerprint, the file itself identifies the vision weights.
-        vision_id = (
-            vision.source_id
-            or hashlib.sha256(f"{mmproj_path.resolve()}:{mmproj_path.stat().st_size}".encode()).hexdigest()
-        )
-    return ModelAssets(
-        tokenizer=tokenizer,
-        chat_template=ChatTemplate(text.chat_template) if text.chat_template else None,
-        image_token_id=text.image_token_id,
-        tokens_per_image=0,
-        preprocess=preprocess,
-        vision_model_id=vision_id,
-        eos_token_ids=frozenset({text.eos_token_id}),
-        bos_token_id=text.bos_token_id,
-    )
+    return build_assets(text, vision, mmproj_path, preprocess, tokens_per_image=0)
 
 
 def load(
@@ -219,12 +135,7 @@ def load(
 ) -> Qwen2VLModel:
     """Load ``model.gguf`` (+ ``mmproj.gguf``) onto ``device`` in ``dtype`` (default: float32 on CPU,
     bfloat16 on CUDA). Raises ``ModelFormatError`` naming the file and tensor at fault."""
-    device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported model dtype {dtype}; use one of {SUPPORTED_DTYPES}")
-    text_file = load_text_model_file(text_path)
-    vision_file = load_mmproj_file(mmproj_path, text_file) if mmproj_path is not None else None
+    device, dtype, text_file, vision_file = open_model_files(text_path, mmproj_path, device, dtype)
     text, vision = text_file.config, vision_file.config if vision_file else None
     if vision is not None and not isinstance(vision, QwenVisionConfig):
         raise ModelFormatError(
@@ -237,32 +148,6 @@ def load(
     assign_weights(model.language_model, text_file, decoder_map, dtype, device)
     if vision_file is not None:
         assign_weights(model.visual, vision_file, qwen2vl_vision.gguf_tensor_map(model.visual), dtype, device)
-    model.device, model.dtype = device, dtype
-    model.language_model.init_rotary(device)
-    model.eval().requires_grad_(False)
+    model.finish_loading(device, dtype)
     logger.info("loaded %s", model.config)
     return model
-
-
-def assign_weights(
-    module: nn.Module, model_file: GGUFModelFile, mapping: dict[str, str], dtype: torch.dtype, device: torch.device
-) -> None:
-    """Fill ``module``'s (meta) parameters from the file's tensors (each read once) on ``device``."""
-    expected = dict(module.named_parameters(remove_duplicate=False))
-    if set(mapping) != set(expected):
-        missing, extra = sorted(set(expected) - set(mapping)), sorted(set(mapping) - set(expected))
-        raise ModelFormatError(
-            f"{model_file.path}: tensor map does not match the module (unmapped {missing[:3]}, unknown {extra[:3]})"
-        )
-    loaded: dict[str, torch.Tensor] = {}
-    for param, gguf_name in mapping.items():
-        if gguf_name not in model_file:
-            raise ModelFormatError(f"{model_file.path}: missing tensor {gguf_name}")
-        if model_file.shape(gguf_name) != tuple(expected[param].shape):
-            raise ModelFormatError(
-                f"{model_file.path}: tensor {gguf_name} has shape {list(model_file.shape(gguf_name))}, "
-                f"expected {list(expected[param].shape)}"
-            )
-        if gguf_name not in loaded:  # tied tensors are read once and shared
-            loaded[gguf_name] = model_file.tensor(gguf_name, dtype, device)
-    module.load_state_dict({param: loaded[name] for param, name in mapping.items()}, strict=True, assign=True)

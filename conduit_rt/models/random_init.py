@@ -15,7 +15,9 @@ import torch
 
 from conduit_rt.model_config import TextModelConfig, VisionModelConfig
 
-from .llava import SUPPORTED_DTYPES, LlavaModel, model_assets, model_config
+from .arena_model import check_dtype
+from .llava import LlavaModel, model_assets, model_config
+
 
 def random_llava(
     text: TextModelConfig,
@@ -30,8 +32,7 @@ def random_llava(
     ``vision.source_id`` must be set: it is the vision weights' identity in every image cache key
     (a loaded model takes it from the file).
     """
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported model dtype {dtype}; use one of {SUPPORTED_DTYPES}")
+    check_dtype(dtype)
     if vision is not None and not vision.source_id:
         raise ValueError("vision.source_id must name the random vision weights (it keys the image caches)")
     device = torch.device(device)
@@ -46,9 +47,7 @@ def random_llava(
         for name, param in model.named_parameters()
     }
     model.load_state_dict(state, strict=True, assign=True)
-    model.device, model.dtype = device, dtype
-    model.language_model.init_rotary(device)
-    model.eval().requires_grad_(False)
+    model.finish_loading(device, dtype)
     return model
 
 
