@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from quality.generator import IMAGE_SIZE, MAX_PAGES, Page, Request, make_request, page_for
+from quality.generator import COLOURS, IMAGE_SIZE, MAX_PAGES, TAGS, Page, Request, make_request, page_for
 from quality.model_config import CLIP_MEAN, CLIP_STD, NUM_IMAGE_TOKENS
 from quality.tokenizer import BOS, EOS, IMAGE_TOKEN, PAD
 
@@ -81,13 +81,29 @@ def prompt_text(request: Request, answer: str | None = None) -> str:
     return text if answer is None else f"{text} {answer}{EOS}"
 
 
+def conversation_text(request: Request) -> tuple[str, list[tuple[int, int]]]:
+    """The whole training conversation (first question, answer, then each follow-up turn) as the
+    chat template renders it, and the character spans [start, stop) of the answers (each with its
+    leading space and its EOS): the tokens trained on."""
+    text = prompt_text(request)
+    spans = []
+    for turn, asks in enumerate((request.asks, *request.followups)):
+        if turn:
+            text += f"USER: {request.question_for(asks)} ASSISTANT:"
+        answer = f" {request.answer_to(asks)}{EOS}"
+        spans.append((len(text), len(text) + len(answer)))
+        text += answer
+    return text, spans
+
+
 @dataclass(frozen=True, slots=True)
 class EncodedRequest:
-    """Token ids with images expanded; ids[:num_prompt_tokens] is the prompt (generation prompt included)."""
+    """Token ids with images expanded, and which of them are trained on (answers and EOS)."""
 
     ids: np.ndarray  # int64 [num_tokens]
-    num_prompt_tokens: int
+    label_mask: np.ndarray | None  # bool [num_tokens]; None for a prompt alone
     page_ids: tuple[int, ...]
+    request: Request
 
 
 class PromptEncoder:
@@ -99,23 +115,29 @@ class PromptEncoder:
         self.pad_token_id = tokenizer.token_to_id(PAD)
         self.eos_token_id = tokenizer.token_to_id(EOS)
 
-    def _expand(self, ids: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64)
-        repeats = np.where(ids == self.image_token_id, NUM_IMAGE_TOKENS, 1)
-        return np.repeat(ids, repeats)
+    def _repeats(self, ids: np.ndarray) -> np.ndarray:
+        return np.where(ids == self.image_token_id, NUM_IMAGE_TOKENS, 1)
 
     def encode(self, requests: Sequence[Request], with_answer: bool) -> list[EncodedRequest]:
-        """Prompt ids (and, ``with_answer``, the answer and EOS after them) of each request."""
-        prompts = self.tokenizer.encode_batch([prompt_text(r) for r in requests], add_special_tokens=False)
+        """The prompt of each request (generation prompt included), or, ``with_answer``, the whole
+        training conversation (``conversation_text``) with its answer tokens marked."""
         if not with_answer:
-            return [EncodedRequest(self._expand(p.ids), 0, r.page_ids) for p, r in zip(prompts, requests)]
-        fulls = self.tokenizer.encode_batch([prompt_text(r, r.answer) for r in requests], add_special_tokens=False)
+            prompts = self.tokenizer.encode_batch([prompt_text(r) for r in requests], add_special_tokens=False)
+            encoded = []
+            for prompt, request in zip(prompts, requests):
+                ids = np.asarray(prompt.ids, dtype=np.int64)
+                encoded.append(EncodedRequest(np.repeat(ids, self._repeats(ids)), None, request.page_ids, request))
+            return encoded
+        texts, all_spans = zip(*[conversation_text(r) for r in requests])
         encoded = []
-        for prompt, full, request in zip(prompts, fulls, requests):
-            if full.ids[: len(prompt.ids)] != prompt.ids:
-                raise ValueError(f"the answer changed the prompt's tokens: {prompt_text(request, request.answer)!r}")
-            num_prompt = len(prompt.ids) + (NUM_IMAGE_TOKENS - 1) * request.num_pages
-            encoded.append(EncodedRequest(self._expand(full.ids), num_prompt, request.page_ids))
+        for encoding, spans, request in zip(self.tokenizer.encode_batch(list(texts), add_special_tokens=False), all_spans, requests):
+            ids = np.asarray(encoding.ids, dtype=np.int64)
+            starts, stops = np.asarray(encoding.offsets, dtype=np.int64).T
+            mask = np.zeros(len(ids), dtype=bool)
+            for start, stop in spans:
+                mask |= (starts >= start) & (stops <= stop)
+            repeats = self._repeats(ids)
+            encoded.append(EncodedRequest(np.repeat(ids, repeats), np.repeat(mask, repeats), request.page_ids, request))
         return encoded
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -124,20 +146,36 @@ class PromptEncoder:
 
 def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids`` and ``labels`` [B, T] int64 (T a multiple of 64; labels are the
-    answer tokens and EOS, -100 elsewhere) and ``page_ids`` [num_images] int64 in the order the
-    images appear (row by row), as LlavaForConditionalGeneration consumes ``pixel_values``."""
+    answers' tokens and EOS, -100 elsewhere) and ``page_ids`` [num_images] int64 in the order the
+    images appear (row by row), as LlavaForConditionalGeneration consumes ``pixel_values``.
+
+    For the context probe (``context_probe.py``): ``image_tags`` [num_images], the tag index of
+    each image's page; per question turn, ``query_rows``/``query_positions`` (the token before its
+    answer) and ``query_tags``/``query_colours`` of its first ask [num_questions], all int64."""
     length = max(len(item.ids) for item in encoded)
     length = math.ceil(length / PAD_MULTIPLE) * PAD_MULTIPLE
     input_ids = np.full((len(encoded), length), pad_token_id, dtype=np.int64)
     labels = np.full((len(encoded), length), IGNORE_INDEX, dtype=np.int64)
     for row, item in enumerate(encoded):
         input_ids[row, : len(item.ids)] = item.ids
-        labels[row, item.num_prompt_tokens : len(item.ids)] = item.ids[item.num_prompt_tokens :]
+        labels[row, : len(item.ids)][item.label_mask] = item.ids[item.label_mask]
     page_ids = [page_id for item in encoded for page_id in item.page_ids]
+    image_tags = [TAGS.index(tag) for item in encoded for tag in item.request.tags]
+    colour_index = {colour: index for index, colour in enumerate(COLOURS)}
+    query = []  # (row, position, tag, colour)
+    for row, item in enumerate(encoded):
+        answer_starts = np.flatnonzero(item.label_mask & ~np.r_[False, item.label_mask[:-1]])
+        for start, asks in zip(answer_starts, (item.request.asks, *item.request.followups)):
+            tag = TAGS.index(item.request.tags[asks[0].position])
+            query.append((row, int(start) - 1, tag, colour_index[asks[0].colour]))
+    query_columns = torch.tensor(query, dtype=torch.int64).T
     return {
         "input_ids": torch.from_numpy(input_ids),
         "labels": torch.from_numpy(labels),
         "page_ids": torch.tensor(page_ids, dtype=torch.int64),
+        "image_tags": torch.tensor(image_tags, dtype=torch.int64),
+        "query_rows": query_columns[0], "query_positions": query_columns[1],
+        "query_tags": query_columns[2], "query_colours": query_columns[3],
     }
 
 
@@ -157,10 +195,11 @@ class TrainStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, pages: Sequence[Page], seed: int, tokenizer: Tokenizer, batch_size: int,
-                 progress, curriculum_fraction: float = 0.2, bucket: int = 8, max_pages: int = MAX_PAGES) -> None:
+                 progress, curriculum_fraction: float = 0.2, bucket: int = 8, max_pages: int = MAX_PAGES,
+                 max_followups: int = 0) -> None:
         self.pages, self.seed, self.tokenizer = tuple(pages), seed, tokenizer
         self.batch_size, self.progress, self.bucket = batch_size, progress, bucket
-        self.curriculum_fraction, self.max_pages = curriculum_fraction, max_pages
+        self.curriculum_fraction, self.max_pages, self.max_followups = curriculum_fraction, max_pages, max_followups
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()
@@ -171,7 +210,8 @@ class TrainStream(torch.utils.data.IterableDataset):
         for round_index in range(worker, 1 << 40, num_workers):
             max_pages = max_pages_for(self.progress.value, self.curriculum_fraction, self.max_pages)
             start = round_index * group
-            requests = [make_request(self.pages, "train", self.seed, index, max_pages=max_pages)
+            requests = [make_request(self.pages, "train", self.seed, index, max_pages=max_pages,
+                                     max_followups=self.max_followups)
                         for index in range(start, start + group)]
             encoded = sorted(encoder.encode(requests, with_answer=True), key=lambda item: len(item.ids))
             batches = [encoded[i : i + self.batch_size] for i in range(0, group, self.batch_size)]

@@ -151,6 +151,8 @@ class Request:
     """Pages in order with their tags, and the question (one or two asks).
 
     ``page_ids[i]`` indexes the page pool of ``split`` (``pages[i]`` is that page).
+    ``followups``: further questions asked in later turns of the same conversation (training only:
+    more answer tokens per forward pass; evaluation asks the first question alone).
     """
 
     split: str
@@ -158,18 +160,25 @@ class Request:
     pages: tuple[Page, ...]
     tags: tuple[str, ...]
     asks: tuple[Ask, ...]
+    followups: tuple[tuple[Ask, ...], ...] = ()
 
     @property
     def num_pages(self) -> int:
         return len(self.pages)
 
+    def answer_to(self, asks: Sequence[Ask]) -> str:
+        return " ".join(self.pages[ask.position].code_of(ask.colour) for ask in asks)
+
+    def question_for(self, asks: Sequence[Ask]) -> str:
+        return " and ".join(f"{self.tags[ask.position]} {ask.colour}" for ask in asks) + "?"
+
     @property
     def answer(self) -> str:
-        return " ".join(self.pages[ask.position].code_of(ask.colour) for ask in self.asks)
+        return self.answer_to(self.asks)
 
     @property
     def question(self) -> str:
-        return " and ".join(f"{self.tags[ask.position]} {ask.colour}" for ask in self.asks) + "?"
+        return self.question_for(self.asks)
 
     def text_before_page(self, position: int) -> str:
         """The text part just before page ``position``: its tag (after a space, except the first)."""
@@ -200,6 +209,12 @@ def _pick_colour(pages: Sequence[Page], position: int, rng: random.Random) -> st
     return rng.choice(shared or sorted(pages[position].colours))
 
 
+def _random_asks(pages: Sequence[Page], pair_fraction: float, rng: random.Random) -> tuple[Ask, ...]:
+    num_asks = 2 if len(pages) >= 2 and rng.random() < pair_fraction else 1
+    positions = rng.sample(range(len(pages)), num_asks)
+    return tuple(Ask(position, _pick_colour(pages, position, rng)) for position in positions)
+
+
 def make_request(
     pool: Sequence[Page],
     split: str,
@@ -209,11 +224,13 @@ def make_request(
     min_pages: int = 1,
     max_pages: int = MAX_PAGES,
     pair_fraction: float = 0.3,
+    max_followups: int = 0,
 ) -> Request:
     """Request ``index`` over ``pool`` (the pages of ``split``), deterministic from its arguments.
 
     1..8 distinct pages drawn uniformly from the pool, distinct tags, and with probability
-    ``pair_fraction`` (when there are at least two pages) a two-page question.
+    ``pair_fraction`` (when there are at least two pages) a two-page question; then 0 to
+    ``max_followups`` follow-up questions (drawn last: they never change the rest).
     """
     if not 1 <= min_pages <= max_pages <= min(MAX_PAGES, len(TAGS), len(pool)):
         raise ValueError(f"need 1 <= min_pages <= max_pages <= {MAX_PAGES} pages, pool {len(pool)}")
@@ -222,10 +239,17 @@ def make_request(
     page_ids = tuple(rng.sample(range(len(pool)), num_pages))
     pages = tuple(pool[page_id] for page_id in page_ids)
     tags = tuple(rng.sample(TAGS, num_pages))
-    num_asks = 2 if num_pages >= 2 and rng.random() < pair_fraction else 1
-    positions = rng.sample(range(num_pages), num_asks)
-    asks = tuple(Ask(position, _pick_colour(pages, position, rng)) for position in positions)
-    return Request(split, page_ids, pages, tags, asks)
+    asks = _random_asks(pages, pair_fraction, rng)
+    num_followups = rng.randint(0, max_followups) if max_followups else 0
+    questions = [asks]
+    for _ in range(num_followups):
+        for _attempt in range(4):  # a repeated question could be answered by copying the earlier answer
+            followup = _random_asks(pages, pair_fraction, rng)
+            if followup not in questions:
+                break
+        questions.append(followup)
+    followups = tuple(questions[1:])
+    return Request(split, page_ids, pages, tags, asks, followups)
 
 
 def retagged_request(request: Request, salt: int) -> Request:

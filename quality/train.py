@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from quality.data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
 from quality.evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
 from quality.model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
+from quality.context_probe import ContextProbe, probe_layer  # noqa: E402
 from quality.reading_loss import ReadingHead, cell_labels  # noqa: E402
 from quality.tokenizer import build_tokenizer  # noqa: E402
 
@@ -52,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument("--reading-weight", type=float, default=0.5,
                         help="weight of the auxiliary per-cell reading loss (0: answer loss only)")
+    parser.add_argument("--probe-weight", type=float, default=0.5,
+                        help="weight of the auxiliary context probes on the decoder (0: off)")
     parser.add_argument("--curriculum", type=float, default=0.15, help="fraction of training to reach 8 pages")
+    parser.add_argument("--followups", type=int, default=3,
+                        help="training conversations ask 1 + 0..followups questions (more answer tokens per pass)")
     parser.add_argument("--max-pages", type=int, default=8, help="most pages per request (train and eval)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-pages", type=int, default=60_000)
@@ -69,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tiny:
         args.size, args.max_steps, args.batch_size, args.train_pages, args.eval_pages = "tiny", 3, 4, 64, 32
-        args.val_requests, args.test_requests, args.stale_requests, args.eval_every = 8, 8, 4, 2
+        args.val_requests, args.test_requests, args.stale_requests, args.eval_every = 8, 8, 2, 2
         args.workers, args.render_processes, args.warmup_steps = 0, 1, 1
     return args
 
@@ -91,12 +96,17 @@ def make_optimizer(modules: list[torch.nn.Module], args: argparse.Namespace) -> 
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-8, fused=fused)
 
 
-def answer_loss(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the answer tokens (labels != -100), predicted from the previous position."""
-    logits = model(input_ids=batch["input_ids"], pixel_values=pixel_values, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100
+def answer_loss(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor, probe: ContextProbe | None = None):
+    """Mean cross-entropy of the answer tokens (labels != -100), predicted from the previous position;
+    with ``probe``, also the context probes' loss: returns (answer loss, probe loss or None)."""
+    out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, use_cache=False,
+                output_hidden_states=probe is not None)
+    loss = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100
     )
+    if probe is None:
+        return loss
+    return loss, probe.loss(out.hidden_states, batch, model.config.image_token_id)
 
 
 def evaluate(model, encoder, requests, pool, pool_on_device, device: str) -> tuple[float, list[str]]:
@@ -124,16 +134,18 @@ def train(args: argparse.Namespace) -> dict:
     test_requests = test_pool.requests(args.test_requests, max_pages=args.max_pages)
 
     model = new_model(tokenizer, MODEL_SIZES[args.size], seed=args.seed).to(device).train()
-    reading_head = ReadingHead(model.config.text_config.hidden_size).to(device)
+    text_config = model.config.text_config
+    reading_head = ReadingHead(text_config.hidden_size).to(device)
+    probe = ContextProbe(text_config.hidden_size, probe_layer(text_config.num_hidden_layers)).to(device)
     train_labels = torch.from_numpy(cell_labels(train_pool.pages)).to(device)
     if args.reading_weight > 0:
         reading_head.attach(model)
-    optimizer = make_optimizer([model, reading_head], args)
+    optimizer = make_optimizer([model, reading_head, probe], args)
     log("model ready", parameters=count_parameters(model), device=device)
 
     progress_value = multiprocessing.Value("d", 0.0)
     stream = TrainStream(train_pool.pages, args.seed, tokenizer, args.batch_size, progress_value, args.curriculum,
-                         max_pages=args.max_pages)
+                         max_pages=args.max_pages, max_followups=args.followups)
     loader = torch.utils.data.DataLoader(
         stream, batch_size=None, num_workers=args.workers, pin_memory=device.startswith("cuda"),
         prefetch_factor=8 if args.workers else None, persistent_workers=bool(args.workers),
@@ -142,7 +154,8 @@ def train(args: argparse.Namespace) -> dict:
     reserve_s = 30.0 + 0.25 * args.stale_requests if device.startswith("cuda") else 5.0
     train_start = time.time()
     train_budget = max(1.0, args.minutes * 60 - (train_start - START_TIME) - reserve_s)
-    step, tokens, running_loss, running_reading, val_em, eval_seconds = 0, 0, 0.0, 0.0, float("nan"), 0.0
+    step, tokens, val_em, eval_seconds = 0, 0, float("nan"), 0.0
+    running = {"loss": 0.0, "reading": 0.0, "probe": 0.0}
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     for batch in loader:
         elapsed = time.time() - train_start
@@ -155,26 +168,29 @@ def train(args: argparse.Namespace) -> dict:
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         pixel_values = normalize_pixels(train_pixels[batch["page_ids"]])
         with autocast:
-            loss = answer_loss(model, batch, pixel_values)
-            total = loss
+            if args.probe_weight > 0:
+                loss, probe_loss = answer_loss(model, batch, pixel_values, probe)
+                total = loss + args.probe_weight * probe_loss
+                running["probe"] += probe_loss.detach()
+            else:
+                loss = total = answer_loss(model, batch, pixel_values)
             if args.reading_weight > 0:
                 reading = reading_head.loss(train_labels[batch["page_ids"]].long())
-                total = loss + args.reading_weight * reading
-                running_reading += reading.detach()
+                total = total + args.reading_weight * reading
+                running["reading"] += reading.detach()
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         tokens += batch["input_ids"].numel()
-        running_loss += loss.detach()
+        running["loss"] += loss.detach()
         if step % args.log_every == 0 or step == args.max_steps:
             num_logged = args.log_every if step % args.log_every == 0 else step % args.log_every
-            log("train", step=step, loss=f"{float(running_loss) / num_logged:.4f}",
-                reading_loss=f"{float(running_reading) / num_logged:.4f}",
+            log("train", step=step, **{name: f"{float(value) / num_logged:.4f}" for name, value in running.items()},
                 lr=f"{optimizer.param_groups[0]['lr']:.2e}", max_pages=max_pages_for(progress, args.curriculum, args.max_pages),
                 tokens_per_s=f"{tokens / (time.time() - train_start):.0f}")
-            running_loss, running_reading = 0.0, 0.0
+            running = dict.fromkeys(running, 0.0)
         if step % args.eval_every == 0:
             eval_start = time.time()
             val_em, _ = evaluate(model, encoder, val_requests, val_pool, val_pixels, device)

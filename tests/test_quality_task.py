@@ -172,16 +172,38 @@ def test_prompt_matches_the_chat_template_processor_and_project_chat(tiny_folder
         assert prompt.token_ids == ours.ids.tolist()
 
 
-def test_training_labels_are_the_answer_and_eos(tokenizer, pools):
+def test_training_labels_are_the_answers_and_eos(tokenizer, pools):
     encoder = data.PromptEncoder(tokenizer)
-    requests = pools["train"].requests(5)
+    requests = pools["train"].requests(12, max_followups=3)
+    assert any(r.followups for r in requests)
     batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id)
     assert batch["input_ids"].shape[1] % data.PAD_MULTIPLE == 0
     assert batch["page_ids"].tolist() == [i for r in requests for i in r.page_ids]
     for row, request in enumerate(requests):
         labels = batch["labels"][row][batch["labels"][row] != data.IGNORE_INDEX].tolist()
-        assert labels[-1] == encoder.eos_token_id and encoder.decode(labels) == request.answer
+        answers = [request.answer_to(asks) for asks in (request.asks, *request.followups)]
+        assert labels.count(encoder.eos_token_id) == len(answers) and labels[-1] == encoder.eos_token_id
+        assert tokenizer.decode(labels, skip_special_tokens=False) == "</s> ".join(answers) + "</s>"
         assert (batch["input_ids"][row] == encoder.image_token_id).sum() == NUM_IMAGE_TOKENS * request.num_pages
+        assert data.conversation_text(request)[0].startswith(data.prompt_text(request))
+    # context-probe labels: each page's tag, and per question the token before its answer
+    assert batch["image_tags"].tolist() == [generator.TAGS.index(t) for r in requests for t in r.tags]
+    assistant = tokenizer.token_to_id("\u2581ASSISTANT:")
+    rows, positions = batch["query_rows"], batch["query_positions"]
+    assert (batch["input_ids"][rows, positions] == assistant).all()
+    assert (batch["labels"][rows, positions + 1] != data.IGNORE_INDEX).all()
+    questions = [(r.tags[asks[0].position], asks[0].colour) for r in requests for asks in (r.asks, *r.followups)]
+    colours = list(COLOURS)
+    assert [(generator.TAGS[t], colours[c]) for t, c in zip(batch["query_tags"].tolist(), batch["query_colours"].tolist())] == questions
+
+
+def test_first_question_trains_in_the_evaluation_format(tokenizer, pools):
+    encoder = data.PromptEncoder(tokenizer)
+    for request in pools["train"].requests(6, max_followups=3):
+        prompt = encoder.encode([request], with_answer=False)[0].ids
+        full = encoder.encode([request], with_answer=True)[0]
+        assert full.ids[: len(prompt)].tolist() == prompt.tolist() and not full.label_mask[: len(prompt)].any()
+        assert full.label_mask[len(prompt)]
 
 
 def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools):
@@ -196,11 +218,30 @@ def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools)
     losses = []
     for _ in range(15):
         loss = answer_loss(model, batch, pixel_values)
+        assert loss.ndim == 0
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_context_probe_loss_reads_the_probed_layer(tokenizer, pools):
+    from quality.context_probe import ContextProbe
+    from quality.train import answer_loss
+
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["train"]
+    batch = data.collate_for_training(encoder.encode(pool.requests(3, max_followups=2), with_answer=True), encoder.pad_token_id)
+    pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
+    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=0)
+    probe = ContextProbe(model.config.text_config.hidden_size, layer=1)
+    loss, probe_loss = answer_loss(model, batch, pixel_values, probe)
+    torch.testing.assert_close(loss, answer_loss(model, batch, pixel_values))
+    probe_loss.backward()
+    layers = model.model.language_model.layers
+    assert layers[0].mlp.down_proj.weight.grad.abs().sum() > 0  # the probed layer's input side
+    assert layers[1].mlp.down_proj.weight.grad is None  # above the probed layer (index 1 = layer 0's output)
 
 
 def test_tiny_training_run_saves_a_loadable_folder(tmp_path):
