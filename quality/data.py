@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from quality.generator import COLOURS, IMAGE_SIZE, MAX_PAGES, TAGS, Page, Request, make_request, page_for
+from quality.generator import COLOURS, GRID_SIZE, IMAGE_SIZE, MAX_PAGES, TAGS, Page, Request, make_request, page_for
 from quality.model_config import CLIP_MEAN, CLIP_STD, NUM_IMAGE_TOKENS
 from quality.tokenizer import BOS, EOS, IMAGE_TOKEN, PAD
 
@@ -144,14 +144,15 @@ class PromptEncoder:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
 
 
-def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, image_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids`` and ``labels`` [B, T] int64 (T a multiple of 64; labels are the
     answers' tokens and EOS, -100 elsewhere) and ``page_ids`` [num_images] int64 in the order the
     images appear (row by row), as LlavaForConditionalGeneration consumes ``pixel_values``.
 
     For the context probe (``context_probe.py``): ``image_tags`` [num_images], the tag index of
     each image's page; per question turn, ``query_rows``/``query_positions`` (the token before its
-    answer) and ``query_tags``/``query_colours`` of its first ask [num_questions], all int64."""
+    answer), ``query_tags``/``query_colours`` of its first ask and ``query_targets``, the position
+    of that ask's field's first character cell (for ``attention_hint.py``) [num_questions], int64."""
     length = max(len(item.ids) for item in encoded)
     length = math.ceil(length / PAD_MULTIPLE) * PAD_MULTIPLE
     input_ids = np.full((len(encoded), length), pad_token_id, dtype=np.int64)
@@ -162,12 +163,17 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int) -
     page_ids = [page_id for item in encoded for page_id in item.page_ids]
     image_tags = [TAGS.index(tag) for item in encoded for tag in item.request.tags]
     colour_index = {colour: index for index, colour in enumerate(COLOURS)}
-    query = []  # (row, position, tag, colour)
+    query = []  # (row, position, tag, colour, target)
     for row, item in enumerate(encoded):
+        request = item.request
         answer_starts = np.flatnonzero(item.label_mask & ~np.r_[False, item.label_mask[:-1]])
-        for start, asks in zip(answer_starts, (item.request.asks, *item.request.followups)):
-            tag = TAGS.index(item.request.tags[asks[0].position])
-            query.append((row, int(start) - 1, tag, colour_index[asks[0].colour]))
+        is_image = item.ids == image_token_id
+        image_starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
+        for start, asks in zip(answer_starts, (request.asks, *request.followups)):
+            ask = asks[0]
+            field = next(f for f in request.pages[ask.position].fields if f.colour == ask.colour)
+            target = int(image_starts[ask.position]) + field.row * GRID_SIZE + field.column
+            query.append((row, int(start) - 1, TAGS.index(request.tags[ask.position]), colour_index[ask.colour], target))
     query_columns = torch.tensor(query, dtype=torch.int64).T
     return {
         "input_ids": torch.from_numpy(input_ids),
@@ -175,7 +181,7 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int) -
         "page_ids": torch.tensor(page_ids, dtype=torch.int64),
         "image_tags": torch.tensor(image_tags, dtype=torch.int64),
         "query_rows": query_columns[0], "query_positions": query_columns[1],
-        "query_tags": query_columns[2], "query_colours": query_columns[3],
+        "query_tags": query_columns[2], "query_colours": query_columns[3], "query_targets": query_columns[4],
     }
 
 
@@ -217,4 +223,4 @@ class TrainStream(torch.utils.data.IterableDataset):
             batches = [encoded[i : i + self.batch_size] for i in range(0, group, self.batch_size)]
             shuffle.shuffle(batches)
             for batch in batches:
-                yield collate_for_training(batch, encoder.pad_token_id)
+                yield collate_for_training(batch, encoder.pad_token_id, encoder.image_token_id)

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from quality.data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
 from quality.evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
 from quality.model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
+from quality.attention_hint import attention_hint_loss  # noqa: E402
 from quality.context_probe import ContextProbe, probe_layer  # noqa: E402
 from quality.reading_loss import ReadingHead, cell_labels  # noqa: E402
 from quality.tokenizer import build_tokenizer  # noqa: E402
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="weight of the auxiliary per-cell reading loss (0: answer loss only)")
     parser.add_argument("--probe-weight", type=float, default=0.5,
                         help="weight of the auxiliary context probes on the decoder (0: off)")
+    parser.add_argument("--hint-weight", type=float, default=0.5,
+                        help="weight of the auxiliary attention hint (needs --probe-weight > 0; 0: off)")
     parser.add_argument("--curriculum", type=float, default=0.15, help="fraction of training to reach 8 pages")
     parser.add_argument("--followups", type=int, default=3,
                         help="training conversations ask 1 + 0..followups questions (more answer tokens per pass)")
@@ -96,17 +99,25 @@ def make_optimizer(modules: list[torch.nn.Module], args: argparse.Namespace) -> 
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-8, fused=fused)
 
 
-def answer_loss(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor, probe: ContextProbe | None = None):
-    """Mean cross-entropy of the answer tokens (labels != -100), predicted from the previous position;
-    with ``probe``, also the context probes' loss: returns (answer loss, probe loss or None)."""
+def answer_loss(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens (labels != -100), predicted from the previous position."""
+    return training_losses(model, batch, pixel_values)["answer"]
+
+
+def training_losses(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor,
+                    probe: ContextProbe | None = None, hint: bool = False) -> dict[str, torch.Tensor]:
+    """The answer loss, and with ``probe`` the context probes' loss ("probe") and, with ``hint``
+    too, the attention hint's loss at the layer above the probed one ("hint")."""
     out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, use_cache=False,
                 output_hidden_states=probe is not None)
-    loss = torch.nn.functional.cross_entropy(
+    losses = {"answer": torch.nn.functional.cross_entropy(
         out.logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100
-    )
-    if probe is None:
-        return loss
-    return loss, probe.loss(out.hidden_states, batch, model.config.image_token_id)
+    )}
+    if probe is not None:
+        losses["probe"] = probe.loss(out.hidden_states, batch, model.config.image_token_id)
+        if hint:
+            losses["hint"] = attention_hint_loss(model, out.hidden_states, batch, probe.layer)
+    return losses
 
 
 def evaluate(model, encoder, requests, pool, pool_on_device, device: str) -> tuple[float, list[str]]:
@@ -155,7 +166,8 @@ def train(args: argparse.Namespace) -> dict:
     train_start = time.time()
     train_budget = max(1.0, args.minutes * 60 - (train_start - START_TIME) - reserve_s)
     step, tokens, val_em, eval_seconds = 0, 0, float("nan"), 0.0
-    running = {"loss": 0.0, "reading": 0.0, "probe": 0.0}
+    running = {"answer": 0.0, "reading": 0.0, "probe": 0.0, "hint": 0.0}
+    weights = {"answer": 1.0, "reading": args.reading_weight, "probe": args.probe_weight, "hint": args.hint_weight}
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     for batch in loader:
         elapsed = time.time() - train_start
@@ -168,23 +180,19 @@ def train(args: argparse.Namespace) -> dict:
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         pixel_values = normalize_pixels(train_pixels[batch["page_ids"]])
         with autocast:
-            if args.probe_weight > 0:
-                loss, probe_loss = answer_loss(model, batch, pixel_values, probe)
-                total = loss + args.probe_weight * probe_loss
-                running["probe"] += probe_loss.detach()
-            else:
-                loss = total = answer_loss(model, batch, pixel_values)
+            losses = training_losses(model, batch, pixel_values, probe if args.probe_weight > 0 else None,
+                                     hint=args.hint_weight > 0)
             if args.reading_weight > 0:
-                reading = reading_head.loss(train_labels[batch["page_ids"]].long())
-                total = total + args.reading_weight * reading
-                running["reading"] += reading.detach()
+                losses["reading"] = reading_head.loss(train_labels[batch["page_ids"]].long())
+            total = sum(weights[name] * value for name, value in losses.items())
+            for name, value in losses.items():
+                running[name] += value.detach()
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         tokens += batch["input_ids"].numel()
-        running["loss"] += loss.detach()
         if step % args.log_every == 0 or step == args.max_steps:
             num_logged = args.log_every if step % args.log_every == 0 else step % args.log_every
             log("train", step=step, **{name: f"{float(value) / num_logged:.4f}" for name, value in running.items()},

@@ -176,7 +176,7 @@ def test_training_labels_are_the_answers_and_eos(tokenizer, pools):
     encoder = data.PromptEncoder(tokenizer)
     requests = pools["train"].requests(12, max_followups=3)
     assert any(r.followups for r in requests)
-    batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id)
+    batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id, encoder.image_token_id)
     assert batch["input_ids"].shape[1] % data.PAD_MULTIPLE == 0
     assert batch["page_ids"].tolist() == [i for r in requests for i in r.page_ids]
     for row, request in enumerate(requests):
@@ -211,7 +211,7 @@ def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools)
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
-    batch = data.collate_for_training(encoder.encode(pool.requests(4, max_pages=2), with_answer=True), encoder.pad_token_id)
+    batch = data.collate_for_training(encoder.encode(pool.requests(4, max_pages=2), with_answer=True), encoder.pad_token_id, encoder.image_token_id)
     pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
     model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=0).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -228,20 +228,51 @@ def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools)
 
 def test_context_probe_loss_reads_the_probed_layer(tokenizer, pools):
     from quality.context_probe import ContextProbe
-    from quality.train import answer_loss
+    from quality.train import answer_loss, training_losses
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
-    batch = data.collate_for_training(encoder.encode(pool.requests(3, max_followups=2), with_answer=True), encoder.pad_token_id)
+    encoded = encoder.encode(pool.requests(3, max_followups=2), with_answer=True)
+    batch = data.collate_for_training(encoded, encoder.pad_token_id, encoder.image_token_id)
     pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
     model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=0)
     probe = ContextProbe(model.config.text_config.hidden_size, layer=1)
-    loss, probe_loss = answer_loss(model, batch, pixel_values, probe)
-    torch.testing.assert_close(loss, answer_loss(model, batch, pixel_values))
-    probe_loss.backward()
+    losses = training_losses(model, batch, pixel_values, probe)
+    torch.testing.assert_close(losses["answer"], answer_loss(model, batch, pixel_values))
+    losses["probe"].backward()
     layers = model.model.language_model.layers
     assert layers[0].mlp.down_proj.weight.grad.abs().sum() > 0  # the probed layer's input side
     assert layers[1].mlp.down_proj.weight.grad is None  # above the probed layer (index 1 = layer 0's output)
+
+
+def test_attention_hint_targets_the_asked_field_and_matches_the_layers_attention(tokenizer, pools):
+    """Targets are the first cell of each asked field; the loss equals -log of head 0's attention
+    there as transformers' eager attention reports it."""
+    from quality.attention_hint import attention_hint_loss
+
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["train"]
+    requests = pool.requests(4, max_pages=3, max_followups=2)
+    batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id, encoder.image_token_id)
+    questions = [(r, asks[0]) for r in requests for asks in (r.asks, *r.followups)]
+    for target, (request, ask) in zip(batch["query_targets"].tolist(), questions):
+        row_ids = batch["input_ids"][requests.index(request)]
+        image_positions = (row_ids == encoder.image_token_id).nonzero().flatten().tolist()
+        page_position, cell = divmod(image_positions.index(target), NUM_IMAGE_TOKENS)
+        assert page_position == ask.position
+        cells = read_cells(pool.pixels[request.page_ids[page_position]])
+        assert cells[divmod(cell, GRID_SIZE)] == (request.pages[ask.position].code_of(ask.colour)[0], ask.colour)
+    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=1)
+    model.config._attn_implementation = "eager"
+    model.model.language_model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
+        out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, output_hidden_states=True, output_attentions=True)
+        loss = attention_hint_loss(model, out.hidden_states, batch, layer=1)
+    attention = out.attentions[1][batch["query_rows"], 0, batch["query_positions"], batch["query_targets"]]
+    torch.testing.assert_close(loss, -attention.log().mean(), atol=1e-4, rtol=1e-4)
 
 
 def test_tiny_training_run_saves_a_loadable_folder(tmp_path):
