@@ -4,8 +4,8 @@ Even when image tokens know their page's tag and the query token knows the asked
 (``context_probe.py``), retrieval sits on a saddle: the attention of the query is spread over a
 hundred or more tokens, so neither the key/query match nor the value-to-answer copy gets a useful
 gradient until the other exists. This loss breaks the symmetry: head 0 of the decoder layer just
-above the probed one is trained, at the token that predicts each answer, to put its attention on
-the first character cell of the asked field (cross-entropy over the causal attention
+above the probed one is trained, at each token that predicts an answer character, to put its attention on
+the cell of the character it predicts (cross-entropy over the causal attention
 distribution, computed exactly as the layer computes it: input RMSNorm, q/k projections, RoPE,
 1/sqrt(d) scale). Training-time only; the shipped model is a plain ``LlavaForConditionalGeneration``.
 """
@@ -23,12 +23,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def attention_hint_loss(model, hidden_states: tuple[torch.Tensor, ...], batch: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
     """Cross-entropy of head 0's attention (decoder layer ``layer + 1``, counted from 1, whose input
-    is ``hidden_states[layer]`` [B, T, D]) at ``batch["query_rows"/"query_positions"]`` against the
-    key positions ``batch["query_targets"]`` [num_questions] (int64)."""
+    is ``hidden_states[layer]`` [B, T, D]) at ``batch["hint_rows"/"hint_positions"]`` against the
+    key positions ``batch["hint_targets"]`` [num_answer_chars] (int64)."""
     language_model = model.model.language_model
     block = language_model.layers[layer]
     head_dim = language_model.config.head_dim
-    rows, positions, targets = batch["query_rows"], batch["query_positions"], batch["query_targets"]
+    rows, positions, targets = batch["hint_rows"], batch["hint_positions"], batch["hint_targets"]
     normed = block.input_layernorm(hidden_states[layer])  # [B, T, D]
     keys = block.self_attn.k_proj(normed)[..., :head_dim]  # KV head 0: [B, T, d]
     queries = block.self_attn.q_proj(normed[rows, positions])[..., :head_dim]  # head 0: [Q, d]

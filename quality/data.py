@@ -151,8 +151,9 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
 
     For the context probe (``context_probe.py``): ``image_tags`` [num_images], the tag index of
     each image's page; per question turn, ``query_rows``/``query_positions`` (the token before its
-    answer), ``query_tags``/``query_colours`` of its first ask and ``query_targets``, the position
-    of that ask's field's first character cell (for ``attention_hint.py``) [num_questions], int64."""
+    answer) and ``query_tags``/``query_colours`` of its first ask [num_questions]; for
+    ``attention_hint.py``, per answer character, ``hint_rows``/``hint_positions`` (the token that
+    predicts it) and ``hint_targets`` (the position of its cell) [num_answer_chars]; all int64."""
     length = max(len(item.ids) for item in encoded)
     length = math.ceil(length / PAD_MULTIPLE) * PAD_MULTIPLE
     input_ids = np.full((len(encoded), length), pad_token_id, dtype=np.int64)
@@ -163,25 +164,29 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
     page_ids = [page_id for item in encoded for page_id in item.page_ids]
     image_tags = [TAGS.index(tag) for item in encoded for tag in item.request.tags]
     colour_index = {colour: index for index, colour in enumerate(COLOURS)}
-    query = []  # (row, position, tag, colour, target)
+    query, hints = [], []  # (row, position, tag, colour), (row, position, target)
     for row, item in enumerate(encoded):
         request = item.request
         answer_starts = np.flatnonzero(item.label_mask & ~np.r_[False, item.label_mask[:-1]])
         is_image = item.ids == image_token_id
         image_starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
         for start, asks in zip(answer_starts, (request.asks, *request.followups)):
-            ask = asks[0]
-            field = next(f for f in request.pages[ask.position].fields if f.colour == ask.colour)
-            target = int(image_starts[ask.position]) + field.row * GRID_SIZE + field.column
-            query.append((row, int(start) - 1, TAGS.index(request.tags[ask.position]), colour_index[ask.colour], target))
+            query.append((row, int(start) - 1, TAGS.index(request.tags[asks[0].position]), colour_index[asks[0].colour]))
+            for index, ask in enumerate(asks):  # answer tokens: one per code character, then EOS
+                field = next(f for f in request.pages[ask.position].fields if f.colour == ask.colour)
+                first_cell = int(image_starts[ask.position]) + field.row * GRID_SIZE + field.column
+                for offset in range(len(field.code)):
+                    hints.append((row, int(start) + index * len(field.code) + offset - 1, first_cell + offset))
     query_columns = torch.tensor(query, dtype=torch.int64).T
+    hint_columns = torch.tensor(hints, dtype=torch.int64).T
     return {
         "input_ids": torch.from_numpy(input_ids),
         "labels": torch.from_numpy(labels),
         "page_ids": torch.tensor(page_ids, dtype=torch.int64),
         "image_tags": torch.tensor(image_tags, dtype=torch.int64),
         "query_rows": query_columns[0], "query_positions": query_columns[1],
-        "query_tags": query_columns[2], "query_colours": query_columns[3], "query_targets": query_columns[4],
+        "query_tags": query_columns[2], "query_colours": query_columns[3],
+        "hint_rows": hint_columns[0], "hint_positions": hint_columns[1], "hint_targets": hint_columns[2],
     }
 
 

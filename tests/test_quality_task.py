@@ -245,23 +245,24 @@ def test_context_probe_loss_reads_the_probed_layer(tokenizer, pools):
     assert layers[1].mlp.down_proj.weight.grad is None  # above the probed layer (index 1 = layer 0's output)
 
 
-def test_attention_hint_targets_the_asked_field_and_matches_the_layers_attention(tokenizer, pools):
-    """Targets are the first cell of each asked field; the loss equals -log of head 0's attention
-    there as transformers' eager attention reports it."""
+def test_attention_hint_targets_each_answer_cell_and_matches_the_layers_attention(tokenizer, pools):
+    """Each answer character's target is the cell it is read from; the loss equals -log of head 0's
+    attention there as transformers' eager attention reports it."""
     from quality.attention_hint import attention_hint_loss
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
     requests = pool.requests(4, max_pages=3, max_followups=2)
     batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id, encoder.image_token_id)
-    questions = [(r, asks[0]) for r in requests for asks in (r.asks, *r.followups)]
-    for target, (request, ask) in zip(batch["query_targets"].tolist(), questions):
-        row_ids = batch["input_ids"][requests.index(request)]
+    assert len(batch["hint_targets"]) == sum(
+        len(r.answer_to(asks).replace(" ", "")) for r in requests for asks in (r.asks, *r.followups))
+    for row, position, target in zip(*(batch[k].tolist() for k in ("hint_rows", "hint_positions", "hint_targets"))):
+        request, row_ids = requests[row], batch["input_ids"][row]
+        predicted = tokenizer.id_to_token(int(batch["labels"][row, position + 1])).lstrip("\u2581")
         image_positions = (row_ids == encoder.image_token_id).nonzero().flatten().tolist()
         page_position, cell = divmod(image_positions.index(target), NUM_IMAGE_TOKENS)
-        assert page_position == ask.position
-        cells = read_cells(pool.pixels[request.page_ids[page_position]])
-        assert cells[divmod(cell, GRID_SIZE)] == (request.pages[ask.position].code_of(ask.colour)[0], ask.colour)
+        char, colour = read_cells(pool.pixels[request.page_ids[page_position]])[divmod(cell, GRID_SIZE)]
+        assert char == predicted and colour != "grey"
     model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=1)
     model.config._attn_implementation = "eager"
     model.model.language_model.config._attn_implementation = "eager"
@@ -271,7 +272,7 @@ def test_attention_hint_targets_the_asked_field_and_matches_the_layers_attention
         pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
         out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, output_hidden_states=True, output_attentions=True)
         loss = attention_hint_loss(model, out.hidden_states, batch, layer=1)
-    attention = out.attentions[1][batch["query_rows"], 0, batch["query_positions"], batch["query_targets"]]
+    attention = out.attentions[1][batch["hint_rows"], 0, batch["hint_positions"], batch["hint_targets"]]
     torch.testing.assert_close(loss, -attention.log().mean(), atol=1e-4, rtol=1e-4)
 
 
