@@ -24,6 +24,7 @@ from quality.model_config import CLIP_MEAN, CLIP_STD, NUM_IMAGE_TOKENS
 from quality.tokenizer import BOS, EOS, IMAGE_TOKEN, PAD
 
 IGNORE_INDEX = -100
+FIELD_HINT_TOKENS = 3  # the question's last tokens (colour, "?", " ASSISTANT:") trained to look at the asked fields
 PAD_MULTIPLE = 64
 
 
@@ -153,7 +154,10 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
     each image's page; per question turn, ``query_rows``/``query_positions`` (the token before its
     answer) and ``query_tags``/``query_colours`` of its first ask [num_questions]; for
     ``attention_hint.py``, per answer character, ``hint_rows``/``hint_positions`` (the token that
-    predicts it) and ``hint_targets`` (the position of its cell) [num_answer_chars]; all int64."""
+    predicts it) and ``hint_targets`` (the position of its cell) [num_answer_chars]; per question
+    turn and each of its last ``FIELD_HINT_TOKENS`` prompt tokens, ``field_rows``/``field_positions``
+    [num_field_queries], and for each cell of the turn's asked fields ``field_queries`` (index into
+    the former) and ``field_targets`` (its position) [num_pairs]; all int64."""
     length = max(len(item.ids) for item in encoded)
     length = math.ceil(length / PAD_MULTIPLE) * PAD_MULTIPLE
     input_ids = np.full((len(encoded), length), pad_token_id, dtype=np.int64)
@@ -165,6 +169,7 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
     image_tags = [TAGS.index(tag) for item in encoded for tag in item.request.tags]
     colour_index = {colour: index for index, colour in enumerate(COLOURS)}
     query, hints = [], []  # (row, position, tag, colour), (row, position, target)
+    field_queries, field_cells = [], []  # (row, position), (query index, cell position)
     for row, item in enumerate(encoded):
         request = item.request
         answer_starts = np.flatnonzero(item.label_mask & ~np.r_[False, item.label_mask[:-1]])
@@ -172,13 +177,20 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
         image_starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
         for start, asks in zip(answer_starts, (request.asks, *request.followups)):
             query.append((row, int(start) - 1, TAGS.index(request.tags[asks[0].position]), colour_index[asks[0].colour]))
+            cells = []
             for index, ask in enumerate(asks):  # answer tokens: one per code character, then EOS
                 field = next(f for f in request.pages[ask.position].fields if f.colour == ask.colour)
                 first_cell = int(image_starts[ask.position]) + field.row * GRID_SIZE + field.column
                 for offset in range(len(field.code)):
                     hints.append((row, int(start) + index * len(field.code) + offset - 1, first_cell + offset))
+                    cells.append(first_cell + offset)
+            for position in range(int(start) - FIELD_HINT_TOKENS, int(start)):
+                field_cells += [(len(field_queries), cell) for cell in cells]
+                field_queries.append((row, position))
     query_columns = torch.tensor(query, dtype=torch.int64).T
     hint_columns = torch.tensor(hints, dtype=torch.int64).T
+    field_query_columns = torch.tensor(field_queries, dtype=torch.int64).T
+    field_cell_columns = torch.tensor(field_cells, dtype=torch.int64).T
     return {
         "input_ids": torch.from_numpy(input_ids),
         "labels": torch.from_numpy(labels),
@@ -187,6 +199,8 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
         "query_rows": query_columns[0], "query_positions": query_columns[1],
         "query_tags": query_columns[2], "query_colours": query_columns[3],
         "hint_rows": hint_columns[0], "hint_positions": hint_columns[1], "hint_targets": hint_columns[2],
+        "field_rows": field_query_columns[0], "field_positions": field_query_columns[1],
+        "field_queries": field_cell_columns[0], "field_targets": field_cell_columns[1],
     }
 
 

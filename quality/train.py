@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from quality.data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
 from quality.evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
 from quality.model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
-from quality.attention_hint import attention_hint_loss  # noqa: E402
+from quality.attention_hint import attention_hint_loss, field_hint_loss  # noqa: E402
 from quality.context_probe import ContextProbe, probe_layer  # noqa: E402
 from quality.reading_loss import ReadingHead, cell_labels  # noqa: E402
 from quality.tokenizer import build_tokenizer  # noqa: E402
@@ -57,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-weight", type=float, default=0.5,
                         help="weight of the auxiliary context probes on the decoder (0: off)")
     parser.add_argument("--hint-weight", type=float, default=0.5,
-                        help="weight of the auxiliary attention hint (needs --probe-weight > 0; 0: off)")
+                        help="weight of the auxiliary reading hint (needs --probe-weight > 0; 0: off)")
+    parser.add_argument("--field-weight", type=float, default=0.5,
+                        help="weight of the auxiliary field hint: question tokens look at the asked fields "
+                             "(needs --probe-weight > 0; 0: off)")
     parser.add_argument("--curriculum", type=float, default=0.15, help="fraction of training to reach 8 pages")
     parser.add_argument("--followups", type=int, default=3,
                         help="training conversations ask 1 + 0..followups questions (more answer tokens per pass)")
@@ -105,9 +108,10 @@ def answer_loss(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tenso
 
 
 def training_losses(model, batch: dict[str, torch.Tensor], pixel_values: torch.Tensor,
-                    probe: ContextProbe | None = None, hint: bool = False) -> dict[str, torch.Tensor]:
-    """The answer loss, and with ``probe`` the context probes' loss ("probe") and, with ``hint``
-    too, the attention hint's loss at the layer above the probed one ("hint")."""
+                    probe: ContextProbe | None = None, hint: bool = False,
+                    field: bool = False) -> dict[str, torch.Tensor]:
+    """The answer loss, and with ``probe`` the context probes' loss ("probe") and, with ``hint`` /
+    ``field`` too, the attention hints' losses at the layer above the probed one ("hint", "field")."""
     out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, use_cache=False,
                 output_hidden_states=probe is not None)
     losses = {"answer": torch.nn.functional.cross_entropy(
@@ -117,6 +121,8 @@ def training_losses(model, batch: dict[str, torch.Tensor], pixel_values: torch.T
         losses["probe"] = probe.loss(out.hidden_states, batch, model.config.image_token_id)
         if hint:
             losses["hint"] = attention_hint_loss(model, out.hidden_states, batch, probe.layer)
+        if field:
+            losses["field"] = field_hint_loss(model, out.hidden_states, batch, probe.layer)
     return losses
 
 
@@ -166,8 +172,9 @@ def train(args: argparse.Namespace) -> dict:
     train_start = time.time()
     train_budget = max(1.0, args.minutes * 60 - (train_start - START_TIME) - reserve_s)
     step, tokens, val_em, eval_seconds = 0, 0, float("nan"), 0.0
-    running = {"answer": 0.0, "reading": 0.0, "probe": 0.0, "hint": 0.0}
-    weights = {"answer": 1.0, "reading": args.reading_weight, "probe": args.probe_weight, "hint": args.hint_weight}
+    running = {"answer": 0.0, "reading": 0.0, "probe": 0.0, "hint": 0.0, "field": 0.0}
+    weights = {"answer": 1.0, "reading": args.reading_weight, "probe": args.probe_weight, "hint": args.hint_weight,
+               "field": args.field_weight}
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     for batch in loader:
         elapsed = time.time() - train_start
@@ -181,7 +188,7 @@ def train(args: argparse.Namespace) -> dict:
         pixel_values = normalize_pixels(train_pixels[batch["page_ids"]])
         with autocast:
             losses = training_losses(model, batch, pixel_values, probe if args.probe_weight > 0 else None,
-                                     hint=args.hint_weight > 0)
+                                     hint=args.hint_weight > 0, field=args.field_weight > 0)
             if args.reading_weight > 0:
                 losses["reading"] = reading_head.loss(train_labels[batch["page_ids"]].long())
             total = sum(weights[name] * value for name, value in losses.items())

@@ -276,6 +276,50 @@ def test_attention_hint_targets_each_answer_cell_and_matches_the_layers_attentio
     torch.testing.assert_close(loss, -attention.log().mean(), atol=1e-4, rtol=1e-4)
 
 
+def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(tokenizer, pools):
+    """The question's last tokens target every cell of the turn's asked field(s) (3 per ask, the
+    answer's characters in order); the loss equals the mean over those queries of -mean log of the
+    field head's attention on them, as transformers' eager attention reports it."""
+    from quality.attention_hint import field_hint_head, field_hint_loss
+
+    encoder = data.PromptEncoder(tokenizer)
+    pool = pools["train"]
+    requests = pool.requests(4, max_pages=3, max_followups=2, pair_fraction=0.5)
+    batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id, encoder.image_token_id)
+    turns = [(row, asks) for row, r in enumerate(requests) for asks in (r.asks, *r.followups)]
+    assert len(batch["field_rows"]) == data.FIELD_HINT_TOKENS * len(turns)
+    queries, targets = batch["field_queries"].tolist(), batch["field_targets"].tolist()
+    for query, (row, position) in enumerate(zip(batch["field_rows"].tolist(), batch["field_positions"].tolist())):
+        (request_row, asks) = turns[query // data.FIELD_HINT_TOKENS]
+        assert row == request_row and batch["labels"][row, position] == -100  # a prompt token
+        answer_starts = (batch["labels"][row] != -100).nonzero().flatten()
+        assert position < int(answer_starts[answer_starts > position].min())  # before its answer
+        row_ids = batch["input_ids"][row]
+        image_positions = (row_ids == encoder.image_token_id).nonzero().flatten().tolist()
+        chars = ""
+        for target in [t for q, t in zip(queries, targets) if q == query]:
+            page_position, cell = divmod(image_positions.index(target), NUM_IMAGE_TOKENS)
+            chars += read_cells(pool.pixels[requests[row].page_ids[page_position]])[divmod(cell, GRID_SIZE)][0]
+        assert chars == requests[row].answer_to(asks).replace(" ", "")
+    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=1)
+    model.config._attn_implementation = "eager"
+    model.model.language_model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
+        out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, output_hidden_states=True, output_attentions=True)
+        loss = field_hint_loss(model, out.hidden_states, batch, layer=1)
+    head = field_hint_head(model)
+    assert head == 2  # tiny: 4 query heads over 2 KV groups
+    attention = out.attentions[1][:, head]  # [B, T, T]
+    expected = torch.stack([
+        -attention[row, position, [t for q, t in zip(queries, targets) if q == query]].log().mean()
+        for query, (row, position) in enumerate(zip(batch["field_rows"].tolist(), batch["field_positions"].tolist()))
+    ]).mean()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_tiny_training_run_saves_a_loadable_folder(tmp_path):
     from quality.train import main
 
