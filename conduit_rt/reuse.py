@@ -152,15 +152,17 @@ class ReusePass:
 
     # -- steps ------------------------------------------------------------------------------------
     def _restore(self) -> list[bool]:
-        """Restores each cached image at its slots (every layer); returns a restored-mask per position."""
+        """Restores every cached image at its slots, all layers in one native call (one kernel launch);
+        returns a restored-mask per position."""
         visual = [False] * self.n_prompt
-        device = self.model.device
-        for image in self.restored:
-            lo, hi = image.slot.start, image.slot.start + image.slot.n_tokens
-            rope = self.rope[..., lo:hi].to(device).contiguous()
-            for layer in range(self.model.config.n_layers):
-                self.seq.restore_image(layer, image.cached.entry, slots=range(lo, hi), rope_pos=rope)
-            visual[lo:hi] = [True] * (hi - lo)
+        if not self.restored:
+            return visual
+        spans = [torch.arange(r.slot.start, r.slot.start + r.slot.n_tokens) for r in self.restored]
+        slots = torch.cat(spans)
+        rope = self.rope[..., slots].to(self.model.device).contiguous()  # one upload for every image
+        self.seq.restore_images([r.cached.entry for r in self.restored], slots=slots, rope_pos=rope)
+        for r in self.restored:
+            visual[r.slot.start:r.slot.start + r.slot.n_tokens] = [True] * r.slot.n_tokens
         return visual
 
     def _forward(self, positions: list[int], capture: PassCapture) -> torch.Tensor:
