@@ -51,8 +51,13 @@ class Setup:
         self.rope_pos = torch.randint(0, 2000, shape, generator=gen, dtype=torch.int32)
 
     def sequence(self):
+        """A sequence of TEXT + n tokens, every slot written (so that comparisons never meet stale memory)."""
         seq = self.arena.new_sequence()
         seq.append(range(TEXT + self.n))
+        filler = torch.linspace(-1, 1, (TEXT + self.n) * N_KV * HEAD_DIM).reshape(TEXT + self.n, N_KV, HEAD_DIM)
+        filler = filler.to(self.dtype).to(self.device)
+        for layer in range(N_LAYERS):
+            seq.write_kv(layer, filler, filler)
         return seq
 
     def spans(self):
