@@ -318,6 +318,28 @@ class Sequence(_Child):
                                                          self._rope_ptr(rope_pos, n), self.arena.stream()),
                      "restoring an image entry")
 
+    def restore_images(self, images: Seq["ImageEntry"], slots: Iterable[int] | torch.Tensor | None = None,
+                       rope_pos: torch.Tensor | None = None, layers: range | None = None) -> None:
+        """Restores several image entries into every layer of ``layers`` (default: all) with one native
+        call and one kernel launch. The entries' tokens are taken concatenated in the given order
+        (n = the sum of their n_tokens) and go to ``slots`` (n ints, default: the last n) of each
+        layer; K is rotated at ``rope_pos`` (int32 [n] or [3, n] on the arena device, concatenated
+        alike), V copied as is."""
+        layers = range(self.arena.n_layers) if layers is None else layers
+        if not isinstance(layers, range) or layers.step != 1:
+            raise InvalidArgumentError("layers must be a range with step 1")
+        images = list(images)
+        n = sum(image.n_tokens for image in images)
+        handles = self._ffi.new("conduit_image *[]", [image.handle for image in images]) if images else self._ffi.NULL
+        sp = self._ffi.NULL
+        if slots is not None:
+            sp, count = _int32_host(slots, "slots")
+            if count != n:
+                raise InvalidArgumentError(f"{count} slots given for {len(images)} image(s) of {n} tokens")
+        native.check(self._lib.conduit_seq_restore_images(self.handle, layers.start, len(layers), len(images), handles,
+                                                          sp, self._rope_ptr(rope_pos, n), self.arena.stream()),
+                     "restoring image entries")
+
     def attention(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Causal-by-position attention of q [n_q, n_heads, head_dim] (positions q_pos int32 [n_q] on

@@ -152,15 +152,17 @@ class ReusePass:
 
     # -- steps ------------------------------------------------------------------------------------
     def _restore(self) -> list[bool]:
-        """Restores each cached image at its slots (every layer); returns a restored-mask per position."""
+        """Restores every cached image at its slots, all layers in one native call (one kernel launch);
+        returns a restored-mask per position."""
         visual = [False] * self.n_prompt
-        device = self.model.device
-        for image in self.restored:
-            lo, hi = image.slot.start, image.slot.start + image.slot.n_tokens
-            rope = self.rope[..., lo:hi].to(device).contiguous()
-            for layer in range(self.model.config.n_layers):
-                self.seq.restore_image(layer, image.cached.entry, slots=range(lo, hi), rope_pos=rope)
-            visual[lo:hi] = [True] * (hi - lo)
+        if not self.restored:
+            return visual
+        spans = [torch.arange(r.slot.start, r.slot.start + r.slot.n_tokens) for r in self.restored]
+        slots = torch.cat(spans)
+        rope = self.rope[..., slots].to(self.model.device).contiguous()  # one upload for every image
+        self.seq.restore_images([r.cached.entry for r in self.restored], slots=slots, rope_pos=rope)
+        for r in self.restored:
+            visual[r.slot.start:r.slot.start + r.slot.n_tokens] = [True] * r.slot.n_tokens
         return visual
 
     def _forward(self, positions: list[int], capture: PassCapture) -> torch.Tensor:
@@ -261,14 +263,22 @@ class _PassScores:
         """a_l(t) = mass over the query rows and heads / (|Q| * H): float32 [n_layers_chosen, N]."""
         if self._attention is None:
             config, seq = self.run.model.config, self.run.seq
-            slots = self.tokens.slots.to(self.run.model.device)
-            rows = []
+            device = self.run.model.device
+            slots = self.tokens.slots.to(device)
+            # No host sync inside the loop: q positions are uploaded once per distinct list (the same
+            # for every layer in practice), and the per-layer results stay on the device.
+            uploaded: dict[tuple[int, ...], torch.Tensor] = {}
+            masses, counts = [], []
             for layer in self.layers:
                 q, found = self.capture.queries(layer, self.run.query_positions)
-                q_pos = torch.tensor(found, dtype=torch.int32, device=self.run.model.device)
-                mass, _, _ = seq.attention_stats(layer, q, q_pos, config.attention_scale)
-                rows.append(mass[slots] / (q.shape[0] * config.n_heads))
-            self._attention = torch.stack(rows)
+                key = tuple(found)
+                if key not in uploaded:
+                    uploaded[key] = torch.tensor(found, dtype=torch.int32).to(device, non_blocking=True)
+                mass, _, _ = seq.attention_stats(layer, q, uploaded[key], config.attention_scale)
+                masses.append(mass)
+                counts.append(q.shape[0] * config.n_heads)
+            per_row = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
+            self._attention = torch.stack([m[slots] for m in masses]) / per_row[:, None]
             self.used = True
             self.flops = len(self.layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
                                                 for p in self.run.query_positions)

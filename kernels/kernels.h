@@ -73,6 +73,13 @@ struct Slots {
        at rope_pos when rope.type != 0 (restore of pre-RoPE image KV). */                                 \
     void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slots dst_slots,        \
                     int32_t n, const Rope &rope, const int32_t *rope_pos, void *stream);                  \
+    /* copy_paged for n_layers layers in one launch: layer j reads src with block table               \
+       src.block_table + j * src_table_stride and writes dst with dst.block_table + j *                \
+       dst_table_stride; the slots and rope_pos are the same for every layer (batched restore). */     \
+    void copy_paged_layers(const LayerView &src, Slots src_slots, int64_t src_table_stride,             \
+                           const LayerView &dst, Slots dst_slots, int64_t dst_table_stride,             \
+                           int32_t n_layers, int32_t n, const Rope &rope, const int32_t *rope_pos,      \
+                           void *stream);                                                               \
     /* All tokens of a layer, in slot order, into dense k_out, v_out [n_tokens, n_kv_heads, head_dim]  \
        (either may be null). */                                                                           \
     void read_dense(const LayerView &src, void *k_out, void *v_out, void *stream);                       \

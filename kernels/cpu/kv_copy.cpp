@@ -64,6 +64,17 @@ void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slo
         rope_pos);
 }
 
+void copy_paged_layers(const LayerView &src, Slots src_slots, int64_t src_table_stride, const LayerView &dst,
+                       Slots dst_slots, int64_t dst_table_stride, int32_t n_layers, int32_t n, const Rope &rope,
+                       const int32_t *rope_pos, void *stream) {
+    for (int32_t j = 0; j < n_layers; ++j) {
+        LayerView src_j = src, dst_j = dst;
+        src_j.block_table = src.block_table + j * src_table_stride;
+        dst_j.block_table = dst.block_table + j * dst_table_stride;
+        copy_paged(src_j, src_slots, dst_j, dst_slots, n, rope, rope_pos, stream);
+    }
+}
+
 void read_dense(const LayerView &src, void *k_out, void *v_out, void *) {
     const int32_t d = src.head_dim, hk = src.n_kv_heads;
     const int64_t vd = v_delta(src);

@@ -24,6 +24,7 @@ template <typename T> struct DenseRows {
     }
     __device__ T *k_row(int32_t token, int32_t head) const { return k ? k + offset(token, head) : nullptr; }
     __device__ T *v_row(int32_t token, int32_t head) const { return v ? v + offset(token, head) : nullptr; }
+    __device__ DenseRows at_layer(int32_t) const { return *this; } // dense tensors hold one layer
 };
 
 // Rows of one paged layer (layout in kernels.h): token i lives in slot slots[i] (or base + i).
@@ -35,6 +36,7 @@ template <typename T> struct PagedRows {
     int64_t v_delta;     // elements from a K row to its V row
     int32_t block_shift; // log2(block_size)
     int32_t head_dim;
+    int64_t table_stride; // elements between the block tables of consecutive layers (batched copies)
 
     __device__ int64_t offset(int32_t token, int32_t head) const {
         const int32_t slot = slots.slots ? slots.slots[token] : slots.base + token;
@@ -44,6 +46,11 @@ template <typename T> struct PagedRows {
     }
     __device__ T *k_row(int32_t token, int32_t head) const { return pool + offset(token, head); }
     __device__ T *v_row(int32_t token, int32_t head) const { return pool + offset(token, head) + v_delta; }
+    __device__ PagedRows at_layer(int32_t layer) const {
+        PagedRows out = *this;
+        out.block_table += layer * table_stride;
+        return out;
+    }
 };
 
 // kVec elements of T moved as one access (16 bytes when kVec = kChunk<T>).
@@ -69,13 +76,16 @@ __device__ float rotated(const float *row, int32_t e, const Rope &rope, const in
     return __fadd_rn(__fmul_rn(row[e], c), __fmul_rn(row[e - nf], s));
 }
 
-// blockDim = (threads per row, rows per block); dynamic shared memory: rows per block * head_dim
+// blockDim = (threads per row, rows per block); blockIdx.y: the layer of a batched copy (src and dst
+// are moved to it with at_layer); dynamic shared memory: rows per block * head_dim
 // floats when rope_pos is set, else none.
 template <typename T, int kVec, typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
-    move_rows_kernel(Src src, Dst dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
+    move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
                      const int32_t *rope_pos) {
     extern __shared__ float k_staged[];
+    const Src src = all_src.at_layer(int32_t(blockIdx.y));
+    const Dst dst = all_dst.at_layer(int32_t(blockIdx.y));
     using P = Pack<T, kVec>;
     const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
     const bool live = row < int64_t(n) * n_kv_heads;
@@ -125,23 +135,23 @@ int32_t log2_exact(int32_t x) {
     return s;
 }
 
-template <typename T> PagedRows<T> paged_rows(const LayerView &view, Slots slots) {
+template <typename T> PagedRows<T> paged_rows(const LayerView &view, Slots slots, int64_t table_stride = 0) {
     require(view.block_size >= 1 && view.block_size <= 256 && (view.block_size & (view.block_size - 1)) == 0,
             "block_size must be a power of two in [1, 256]");
     return PagedRows<T>{static_cast<T *>(view.pool), view.block_table, slots, view.block_elems(),
                         int64_t(view.n_kv_heads) * view.block_size * view.head_dim,
-                        log2_exact(view.block_size), view.head_dim};
+                        log2_exact(view.block_size), view.head_dim, table_stride};
 }
 
 template <typename T, int kVec, typename Src, typename Dst>
-void launch_rows(Src src, Dst dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, const Rope &rope,
-                 const int32_t *rope_pos, cudaStream_t stream) {
+void launch_rows(Src src, Dst dst, int32_t n, int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
+                 const Rope &rope, const int32_t *rope_pos, cudaStream_t stream) {
     const int32_t n_packs = head_dim / kVec;
     int32_t per_row = 1;
     while (per_row < n_packs && per_row < kThreads) per_row *= 2;
     const int32_t rows_per_block = kThreads / per_row;
     const int64_t rows = int64_t(n) * n_kv_heads;
-    const dim3 grid{unsigned((rows + rows_per_block - 1) / rows_per_block)};
+    const dim3 grid{unsigned((rows + rows_per_block - 1) / rows_per_block), unsigned(n_layers)};
     const dim3 block{unsigned(per_row), unsigned(rows_per_block)};
     const size_t smem = rope_pos ? size_t(rows_per_block) * head_dim * sizeof(float) : 0;
     move_rows_kernel<T, kVec><<<grid, block, smem, stream>>>(src, dst, n, n_kv_heads, head_dim, rope, rope_pos);
@@ -151,8 +161,9 @@ void launch_rows(Src src, Dst dst, int32_t n, int32_t n_kv_heads, int32_t head_d
 // Checks the shared preconditions, then launches with 16-byte accesses when every pointer allows.
 template <typename T, typename Src, typename Dst>
 void move_rows(Src src, Dst dst, int32_t n, const LayerView &layout, const Rope &rope, const int32_t *rope_pos,
-               bool all_aligned, void *stream) {
-    if (n <= 0 || layout.n_kv_heads <= 0) return;
+               bool all_aligned, void *stream, int32_t n_layers = 1) {
+    if (n <= 0 || n_layers <= 0 || layout.n_kv_heads <= 0) return;
+    require(n_layers <= 65535, "at most 65535 layers per batched copy");
     require(layout.head_dim >= 8 && layout.head_dim <= 256 && layout.head_dim % 8 == 0,
             "head_dim must be a multiple of 8 in [8, 256]");
     if (rope.type == 0) rope_pos = nullptr;
@@ -162,9 +173,11 @@ void move_rows(Src src, Dst dst, int32_t n, const LayerView &layout, const Rope 
         require(rope.type == 1 || rope.type == 2, "unknown RoPE type");
     }
     if (all_aligned) {
-        launch_rows<T, kChunk<T>>(src, dst, n, layout.n_kv_heads, layout.head_dim, rope, rope_pos, as_stream(stream));
+        launch_rows<T, kChunk<T>>(src, dst, n, n_layers, layout.n_kv_heads, layout.head_dim, rope, rope_pos,
+                                  as_stream(stream));
     } else {
-        launch_rows<T, 1>(src, dst, n, layout.n_kv_heads, layout.head_dim, rope, rope_pos, as_stream(stream));
+        launch_rows<T, 1>(src, dst, n, n_layers, layout.n_kv_heads, layout.head_dim, rope, rope_pos,
+                          as_stream(stream));
     }
 }
 
@@ -181,16 +194,22 @@ void write_dense(const LayerView &dst, Slots dst_slots, int32_t n, const void *k
     });
 }
 
-void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slots dst_slots, int32_t n,
-                const Rope &rope, const int32_t *rope_pos, void *stream) {
+void copy_paged_layers(const LayerView &src, Slots src_slots, int64_t src_table_stride, const LayerView &dst,
+                       Slots dst_slots, int64_t dst_table_stride, int32_t n_layers, int32_t n, const Rope &rope,
+                       const int32_t *rope_pos, void *stream) {
     require(src.dtype == dst.dtype && src.head_dim == dst.head_dim && src.n_kv_heads == dst.n_kv_heads,
             "copy_paged: source and destination layouts differ");
     dispatch_dtype(dst.dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
         const bool aligned = aligned16(src.pool) && aligned16(dst.pool);
-        move_rows<T>(paged_rows<T>(src, src_slots), paged_rows<T>(dst, dst_slots), n, dst, rope, rope_pos, aligned,
-                     stream);
+        move_rows<T>(paged_rows<T>(src, src_slots, src_table_stride), paged_rows<T>(dst, dst_slots, dst_table_stride),
+                     n, dst, rope, rope_pos, aligned, stream, n_layers);
     });
+}
+
+void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slots dst_slots, int32_t n,
+                const Rope &rope, const int32_t *rope_pos, void *stream) {
+    copy_paged_layers(src, src_slots, 0, dst, dst_slots, 0, 1, n, rope, rope_pos, stream);
 }
 
 void read_dense(const LayerView &src, void *k_out, void *v_out, void *stream) {

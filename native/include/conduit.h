@@ -342,6 +342,24 @@ CONDUIT_API conduit_status conduit_image_read(const conduit_image *image, int32_
 CONDUIT_API conduit_status conduit_seq_restore_image(conduit_seq *seq, int32_t layer, const conduit_image *image,
                                                      const int32_t *slots, const int32_t *rope_pos, void *stream);
 
+/* Restores n_images entries into a sequence for layers [first_layer, first_layer + n_layers), with
+ * one kernel launch for all of them (what conduit_seq_restore_image does for one entry and one layer,
+ * batched: a request restoring 8 images into 32 layers makes one call instead of 256).
+ * The entries' tokens are taken concatenated in the order of `images` (host array [n_images] of
+ * handles; n = the sum of their n_tokens): token i of that concatenation goes to slots[i] (host
+ * int32 [n], distinct, or NULL: the last n slots, which needs every layer of the range to hold the
+ * same number of tokens) in EVERY layer of the range; K is rotated at rope_pos (device int32 [n]
+ * or [3, n], concatenated in the same order; NULL: no RoPE), V is copied as is. The same entry may
+ * appear twice (to different slots). A slot in a block shared with another sequence is copied
+ * first. Every argument is checked and the blocks for copy-on-write are taken before anything is
+ * written: on error the sequence is unchanged. n_images = 0 or n_layers = 0 is a no-op.
+ * Errors: INVALID_ARGUMENT (null sequence or entry, an entry of another arena, layer range out of
+ * [0, n_layers of the arena), n > n_tokens of a layer, bad or repeated slots, rope_pos given but no
+ * RoPE set), ARENA_FULL (copy-on-write needed blocks). */
+CONDUIT_API conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
+                                                      int32_t n_images, const conduit_image *const *images,
+                                                      const int32_t *slots, const int32_t *rope_pos, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

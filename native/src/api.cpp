@@ -358,7 +358,26 @@ conduit_status conduit_seq_restore_image(conduit_seq *seq, int32_t layer, const 
         REQUIRE_HANDLE(seq);
         REQUIRE_HANDLE(image);
         CONDUIT_REQUIRE(seq->arena == image->arena, "the sequence and the image entry belong to different arenas");
-        seq_restore_image(seq, layer, image_layer(image, layer), slots, rope_pos, stream);
+        seq_restore_images(seq, layer, 1, {image->entry}, slots, rope_pos, stream);
+    });
+}
+
+conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers, int32_t n_images,
+                                          const conduit_image *const *images, const int32_t *slots,
+                                          const int32_t *rope_pos, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(seq);
+        CONDUIT_REQUIRE(n_images >= 0, "n_images = %d", n_images);
+        CONDUIT_REQUIRE(n_images == 0 || images, "images is NULL");
+        std::vector<const ImageEntry *> entries;
+        entries.reserve(size_t(n_images));
+        for (int32_t m = 0; m < n_images; ++m) {
+            CONDUIT_REQUIRE(images[m] != nullptr, "images[%d] is NULL", m);
+            CONDUIT_REQUIRE(seq->arena == images[m]->arena,
+                            "the sequence and images[%d] belong to different arenas", m);
+            entries.push_back(images[m]->entry);
+        }
+        seq_restore_images(seq, first_layer, n_layers, entries, slots, rope_pos, stream);
     });
 }
 

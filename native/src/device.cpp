@@ -107,6 +107,14 @@ void Device::copy_paged(const kc::LayerView &src, kc::Slots src_slots, const kc:
     CONDUIT_DISPATCH(copy_paged(src, src_slots, dst, dst_slots, n, rope, rope_pos, stream));
 }
 
+void Device::copy_paged_layers(const kc::LayerView &src, kc::Slots src_slots, int64_t src_table_stride,
+                               const kc::LayerView &dst, kc::Slots dst_slots, int64_t dst_table_stride,
+                               int32_t n_layers, int32_t n, const kc::Rope &rope, const int32_t *rope_pos,
+                               void *stream) const {
+    CONDUIT_DISPATCH(copy_paged_layers(src, src_slots, src_table_stride, dst, dst_slots, dst_table_stride, n_layers, n,
+                                       rope, rope_pos, stream));
+}
+
 void Device::read_dense(const kc::LayerView &src, void *k_out, void *v_out, void *stream) const {
     CONDUIT_DISPATCH(read_dense(src, k_out, v_out, stream));
 }

@@ -28,6 +28,10 @@ class Device {
     void copy_paged(const kernels::LayerView &src, kernels::Slots src_slots, const kernels::LayerView &dst,
                     kernels::Slots dst_slots, int32_t n, const kernels::Rope &rope, const int32_t *rope_pos,
                     void *stream) const;
+    void copy_paged_layers(const kernels::LayerView &src, kernels::Slots src_slots, int64_t src_table_stride,
+                           const kernels::LayerView &dst, kernels::Slots dst_slots, int64_t dst_table_stride,
+                           int32_t n_layers, int32_t n, const kernels::Rope &rope, const int32_t *rope_pos,
+                           void *stream) const;
     void read_dense(const kernels::LayerView &src, void *k_out, void *v_out, void *stream) const;
     void attention(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                    float scale, void *out, float *lse, void *stream) const;

@@ -3,6 +3,7 @@
 #include "sequence.h"
 
 #include <algorithm>
+#include <climits>
 #include <numeric>
 #include <set>
 
@@ -251,15 +252,87 @@ void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, con
     seq->arena->device.write_dense(seq->arena->view(t, stream), dst_slots, n, k, v, rope, rope_pos, stream);
 }
 
-void seq_restore_image(conduit_seq *seq, int32_t layer, LayerTable &image_layer, const int32_t *slots,
-                       const int32_t *rope_pos, void *stream) {
-    LayerTable &t = layer_of(seq, layer);
-    const int32_t n = image_layer.n_tokens();
-    const kernels::Rope rope = rope_for(seq->arena, rope_pos);
-    const kernels::Slots dst_slots = prepare_write(seq, t, n, slots, stream);
+void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
+                        const std::vector<const ImageEntry *> &images, const int32_t *slots, const int32_t *rope_pos,
+                        void *stream) {
     conduit_arena *arena = seq->arena;
-    arena->device.copy_paged(arena->view(image_layer, stream), kernels::Slots{}, arena->view(t, stream), dst_slots, n,
-                             rope, rope_pos, stream);
+    const int32_t bs = arena->params.block_size;
+    const int32_t total_layers = int32_t(seq->layers.size());
+    CONDUIT_REQUIRE(first_layer >= 0 && n_layers >= 0 && first_layer <= total_layers - n_layers,
+                    "layers [%d, %d + %d) out of range [0, %d)", first_layer, first_layer, n_layers, total_layers);
+    int64_t n_total = 0;
+    for (const ImageEntry *image : images) {
+        CONDUIT_REQUIRE(image != nullptr, "an image entry is NULL");
+        n_total += image->n_tokens;
+    }
+    CONDUIT_REQUIRE(n_total <= INT32_MAX, "%lld tokens in one restore", (long long)n_total);
+    const int32_t n = int32_t(n_total);
+    if (n == 0 || n_layers == 0) return;
+    const kernels::Rope rope = rope_for(arena, rope_pos);
+
+    // Check every layer before changing any. The slot list is shared by the layers: checking it against
+    // the layer with the fewest tokens covers them all.
+    const LayerTable *fewest = seq->layers[size_t(first_layer)].get();
+    for (int32_t j = 0; j < n_layers; ++j) {
+        const LayerTable &t = *seq->layers[size_t(first_layer + j)];
+        CONDUIT_REQUIRE(n <= t.n_tokens(), "cannot write %d tokens into layer %d of %d", n, first_layer + j,
+                        t.n_tokens());
+        CONDUIT_REQUIRE(slots || t.n_tokens() == fewest->n_tokens(),
+                        "slots is NULL but the layers hold different numbers of tokens (%d and %d)", t.n_tokens(),
+                        fewest->n_tokens());
+        if (t.n_tokens() < fewest->n_tokens()) fewest = &t;
+    }
+    check_slots(*fewest, slots, n);
+    const std::set<int64_t> touched = touched_blocks(*fewest, slots, n, bs); // same blocks in every layer
+    int64_t n_shared = 0;
+    for (int32_t j = 0; j < n_layers; ++j) n_shared += count_shared(arena, *seq->layers[size_t(first_layer + j)], touched);
+    std::vector<int32_t> fresh = arena->take_blocks(n_shared); // the last step that can fail
+
+    // Source: the entries' block tables side by side, one row per layer. Entry m starts at a block
+    // boundary (block offset first_block[m]), so token i of it is "virtual slot" first_block[m] * bs + i.
+    std::vector<int32_t> virtual_slots;
+    virtual_slots.reserve(size_t(n));
+    int64_t src_stride = 0;
+    for (const ImageEntry *image : images) {
+        for (int32_t i = 0; i < image->n_tokens; ++i) virtual_slots.push_back(int32_t(src_stride * bs + i));
+        src_stride += blocks_for(image->n_tokens, bs);
+    }
+    std::vector<int32_t> src_tables(size_t(n_layers * src_stride));
+    int64_t dst_stride = 0;
+    for (int32_t j = 0; j < n_layers; ++j) {
+        auto out = src_tables.begin() + j * src_stride;
+        for (const ImageEntry *image : images) {
+            const auto &blocks = image->layers[size_t(first_layer + j)]->blocks.host();
+            out = std::copy(blocks.begin(), blocks.begin() + blocks_for(image->n_tokens, bs), out);
+        }
+        LayerTable &t = *seq->layers[size_t(first_layer + j)];
+        make_exclusive(arena, t, touched, fresh, true, stream);
+        dst_stride = std::max<int64_t>(dst_stride, int64_t(t.blocks.host().size()));
+    }
+    // Destination: the layers' block tables, one row per layer (padding is never read).
+    std::vector<int32_t> dst_tables(size_t(n_layers * dst_stride), 0);
+    for (int32_t j = 0; j < n_layers; ++j) {
+        const auto &blocks = seq->layers[size_t(first_layer + j)]->blocks.host();
+        std::copy(blocks.begin(), blocks.end(), dst_tables.begin() + j * dst_stride);
+    }
+    const auto lists = arena->upload_ints({{src_tables.data(), int32_t(src_tables.size())},
+                                           {virtual_slots.data(), n},
+                                           {dst_tables.data(), int32_t(dst_tables.size())},
+                                           {slots, n}},
+                                          0, nullptr, stream);
+    kernels::LayerView src;
+    src.pool = arena->pool_memory;
+    src.n_tokens = n;
+    src.n_kv_heads = arena->params.n_kv_heads;
+    src.head_dim = arena->params.head_dim;
+    src.block_size = bs;
+    src.dtype = kernels::DType(arena->params.dtype);
+    kernels::LayerView dst = src;
+    src.block_table = lists[0];
+    dst.block_table = lists[2];
+    const kernels::Slots dst_slots = slots ? kernels::Slots{lists[3], 0} : kernels::Slots{nullptr, fewest->n_tokens() - n};
+    arena->device.copy_paged_layers(src, kernels::Slots{lists[1], 0}, src_stride, dst, dst_slots, dst_stride, n_layers,
+                                    n, rope, rope_pos, stream);
 }
 
 void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,

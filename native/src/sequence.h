@@ -14,8 +14,10 @@ void seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream
 void seq_compact(conduit_seq *seq, int32_t layer, const int32_t *keep, int32_t n_keep, void *stream);
 void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, const void *v, const int32_t *slots,
                   const int32_t *rope_pos, void *stream);
-void seq_restore_image(conduit_seq *seq, int32_t layer, LayerTable &image_layer, const int32_t *slots,
-                       const int32_t *rope_pos, void *stream);
+// Restores layers [first_layer, first_layer + n_layers) of the entries, concatenated, in one launch.
+void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
+                        const std::vector<const ImageEntry *> &images, const int32_t *slots, const int32_t *rope_pos,
+                        void *stream);
 void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                    float scale, void *out, float *lse, void *stream);
 void seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q,

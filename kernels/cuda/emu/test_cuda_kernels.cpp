@@ -261,6 +261,33 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
     device_sync();
     expect(same_values(cpu_stage, gpu_stage, cpu_stage.size(), dtype), std::string(name) + " copy_paged");
 
+    // The batched restore: two layers in one launch, each with its own source and destination block
+    // tables (rows of a [2, n_blocks] table; layer 1 reads the blocks in reverse order and writes to
+    // a second copy of the pool's blocks, so that the layers never write the same block).
+    const size_t nb = cpu_l.table.size();
+    const int32_t pool_blocks = int32_t(int64_t(cpu_l.pool.size() - 64) / (cpu_l.view.block_elems() * int64_t(es)));
+    Buf<int32_t> src_tables(cpu_l.table.begin(), cpu_l.table.end());
+    src_tables.insert(src_tables.end(), cpu_l.table.rbegin(), cpu_l.table.rend());
+    Buf<int32_t> dst_tables(cpu_l.table.begin(), cpu_l.table.end());
+    for (size_t i = 0; i < nb; ++i) dst_tables.push_back(src_tables[nb + i] + pool_blocks);
+    Buf<unsigned char> cpu_multi(2 * cpu_l.pool.size(), 0xff), gpu_multi(2 * gpu_l.pool.size(), 0xff);
+    // A fully written source pool: layer 1 reads slots that layer 0's layout left unwritten (NaN,
+    // whose bits the two backends need not agree on).
+    Buf<unsigned char> full_pool = random_dense(dtype, cpu_l.view.block_elems() * pool_blocks);
+    kc::LayerView cpu_src2 = cpu_l.view, gpu_src2 = gpu_l.view;
+    cpu_src2.pool = gpu_src2.pool = full_pool.data();
+    cpu_src2.block_table = gpu_src2.block_table = src_tables.data();
+    kc::LayerView cpu_dst2 = cpu_l.view, gpu_dst2 = gpu_l.view;
+    cpu_dst2.block_table = gpu_dst2.block_table = dst_tables.data();
+    cpu_dst2.pool = cpu_multi.data();
+    gpu_dst2.pool = gpu_multi.data();
+    kc::cpu::copy_paged_layers(cpu_src2, kc::Slots{src_slots.data(), 0}, int64_t(nb), cpu_dst2, kc::Slots{nullptr, 1},
+                               int64_t(nb), 2, m, rope, rp, nullptr);
+    kc::cuda::copy_paged_layers(gpu_src2, kc::Slots{src_slots.data(), 0}, int64_t(nb), gpu_dst2, kc::Slots{nullptr, 1},
+                                int64_t(nb), 2, m, rope, rp, nullptr);
+    device_sync();
+    expect(same_values(cpu_multi, gpu_multi, cpu_multi.size(), dtype), std::string(name) + " copy_paged_layers");
+
     const size_t dense = size_t(cpu_l.view.n_tokens) * hk * d * es;
     Buf<unsigned char> kc_out(dense + 16, 0), vc_out(dense + 16, 0), kg_out(dense + 16, 1), vg_out(dense + 16, 1);
     const size_t off = unaligned ? es : 0;
