@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import RequestError
-from .refresh import apportion
+from .refresh import apportion, top_k_indices
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +98,15 @@ def total_budget(ratio: float, m: int, n_layers: int) -> int:
 
 
 def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
-    """The ``forced`` slots plus the best-scoring others, k in all (sorted)."""
-    scores = scores.clone().float()
+    """The ``forced`` slots plus the best-scoring others, k in all (sorted; ties to the lower slot)."""
     keep = sorted(set(forced))[:k]
-    if keep:
-        scores[torch.tensor(keep)] = float("-inf")
     extra = max(0, min(k, scores.numel()) - len(keep))
     if extra:
-        keep += torch.topk(scores, extra).indices.tolist()
+        free = torch.ones(scores.numel(), dtype=torch.bool, device=scores.device)
+        if keep:
+            free[torch.tensor(keep, device=scores.device)] = False
+        candidates = torch.nonzero(free).flatten()
+        keep += candidates[top_k_indices(scores[candidates], extra)].tolist()
     return sorted(keep)
 
 

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from . import topk
 from .errors import RequestError
 
 FILL_MODES = ("isolated", "in_context")
@@ -111,10 +112,10 @@ def apportion(weights: list[float], total: int, caps: list[int] | None = None) -
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores, sorted ascending (int64 [k])."""
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.long, device=scores.device)
-    return torch.sort(torch.topk(scores, k).indices).values
+    """Indices of the k largest scores, sorted ascending (int64 [k], on scores' device): the native
+    top-k (topk.py; ties to the lower index, NaN above +inf). k <= 0 selects nothing; k > n raises
+    InvalidArgumentError."""
+    return topk.top_k_indices(scores, max(0, k))
 
 
 def amplify(scores: torch.Tensor, image: torch.Tensor, n_images: int, lam: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from .chat import ImageSlot
 from .image_cache import CachedImage
 from .models.base import ForwardBatch
-from .refresh import CacheBlend, RefreshOptions, RefreshPolicy, VisualTokens, budget_tokens
+from .refresh import CacheBlend, RefreshOptions, RefreshPolicy, VisualTokens, budget_tokens, top_k_indices
 
 CHUNK = 2048
 
@@ -246,7 +246,7 @@ class _DeltaCapture:
         is_visual = self.visual_index >= 0
         visual_rows = torch.nonzero(is_visual).flatten()
         change = self.change.cpu()[visual_rows]
-        top = visual_rows[torch.topk(change, min(n_visual, visual_rows.numel())).indices]
+        top = visual_rows[top_k_indices(change, min(n_visual, visual_rows.numel()))]
         return torch.sort(torch.cat([torch.nonzero(~is_visual).flatten(), top])).values
 
 

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -65,6 +66,23 @@ struct Slots {
     int32_t base = 0;
 };
 
+#if defined(__CUDACC__) || defined(CONDUIT_CUDA_EMULATION)
+#define CONDUIT_HOST_DEVICE __host__ __device__
+#else
+#define CONDUIT_HOST_DEVICE
+#endif
+
+// The order of top-k, shared by both backends: a uint32 key per float32 score such that a larger
+// score has a larger key. NaN (any sign or payload) ranks above +inf, all NaNs alike; -0.0 and +0.0
+// are equal. Ties between equal keys go to the lower index.
+CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
+    uint32_t bits;
+    std::memcpy(&bits, &score, sizeof(bits));
+    if (score != score) return 0xffffffffu; // NaN
+    if (bits == 0x80000000u) bits = 0;      // -0.0 -> +0.0
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
 #define CONDUIT_KERNEL_DECLS                                                                              \
     /* Dense K, V [n, n_kv_heads, head_dim] -> dst slots, K rotated at rope_pos when rope.type != 0. */  \
     void write_dense(const LayerView &dst, Slots dst_slots, int32_t n, const void *k, const void *v,     \
@@ -91,7 +109,15 @@ struct Slots {
     /* Attention statistics (see conduit_seq_attention_stats): mass float32 [n_tokens] (overwritten),  \
        n_below float32 [n_heads] or null, lse float32 [n_q, n_heads] or null. */                          \
     void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
-                         float scale, float threshold, float *mass, float *n_below, float *lse, void *stream);
+                         float scale, float threshold, float *mass, float *n_below, float *lse, void *stream);     \
+    /* Bytes of device workspace topk needs for n scores. */                                              \
+    size_t topk_workspace_bytes(int32_t n);                                                               \
+    /* Indices of the k largest of scores float32 [n] in the order of topk_order_key (ties: lower index \
+       first), written ascending into indices: int64 [k] when indices_i64, else int32 [k]. workspace:   \
+       topk_workspace_bytes(n) bytes; on CUDA zero-filled before its first use (each call leaves it     \
+       so). Needs 0 <= k <= n (else std::invalid_argument). */                                            \
+    void topk(const float *scores, int32_t n, int32_t k, void *indices, bool indices_i64, void *workspace,   \
+              size_t workspace_bytes, void *stream);
 
 namespace cpu {
 CONDUIT_KERNEL_DECLS

@@ -8,8 +8,8 @@ times the cached value norms, the layer mean, image amplification and the global
 with the selection on the host (so it is timed on the wall clock). Its target is a share of a
 full prefill of the same request, which the end-to-end run measures (``cli`` joins the two).
 
-``topk``: ``refresh.top_k_indices`` (what selection calls) against ``torch.topk`` on the same
-random float32 scores.
+``topk``: ``refresh.top_k_indices`` (what selection calls: the native ``conduit_topk``, indices
+ascending) against ``torch.topk`` on the same random float32 scores.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from conduit_rt import topk as topk_native
 from conduit_rt.refresh import Conduit, RefreshOptions, VisualTokens, budget_tokens, top_k_indices
 
 from .config import KernelSizes
@@ -84,7 +85,8 @@ def topk(bench: KernelBench) -> dict:
     same = set(top_k_indices(scores, s.topk_k).tolist()) == set(torch.topk(scores, s.topk_k).indices.tolist())
     return {"n": s.topk_n, "k": s.topk_k, "seconds": ours.median_s, "time": ours.as_dict(),
             "torch_seconds": reference.median_s, "torch_time": reference.as_dict(), "same_indices": same,
-            "implementation": "refresh.top_k_indices (torch.topk + sort)"}
+            "implementation": "refresh.top_k_indices: native conduit_topk (radix select, 5 launches, indices ascending)"
+            if topk_native.native_backend_ready(scores.device.type) else "refresh.top_k_indices: torch.topk + sort (fallback)"}
 
 
 def run(timer: Timer, sizes: KernelSizes, dtype: torch.dtype) -> tuple[dict, list[Target], dict[str, str]]:

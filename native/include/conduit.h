@@ -360,6 +360,38 @@ CONDUIT_API conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t 
                                                       int32_t n_images, const conduit_image *const *images,
                                                       const int32_t *slots, const int32_t *rope_pos, void *stream);
 
+/* ============================================================================================ */
+/* Stateless kernels                                                                            */
+/* ============================================================================================ */
+
+/* These take no arena: `backend` and `device` say where the pointers live (host memory for the
+ * CPU backend, memory of CUDA device `device` for the CUDA backend) and which backend runs. */
+
+typedef enum conduit_index_type {
+    CONDUIT_INDEX_I32 = 0, /* int32_t indices */
+    CONDUIT_INDEX_I64 = 1, /* int64_t indices (torch's index dtype) */
+} conduit_index_type;
+
+/* Bytes of workspace conduit_topk needs for n scores on the backend: 8 * n for CPU, a few KiB for
+ * CUDA (independent of k). 0 for an unknown backend or n < 0. */
+CONDUIT_API size_t conduit_topk_workspace_bytes(conduit_backend backend, int32_t n);
+
+/* Indices of the k largest of n scores (float32 [n]), written in ASCENDING index order into
+ * `indices` ([k], int32 or int64 per index_type). Order: NaN (any sign) ranks above +inf, all NaNs
+ * alike; -0.0 equals +0.0; among equal scores the lower index is taken first, so the result is
+ * deterministic. Runs radix select on CUDA (five kernel launches on `stream`, no allocation, no host
+ * synchronisation) and nth_element on the CPU.
+ * workspace: backend memory of at least conduit_topk_workspace_bytes(backend, n) bytes, owned by the
+ * caller. For CUDA it must be zero-filled before its first use; every call that returns OK leaves it
+ * zero-filled again, so one workspace serves any number of calls ordered on one stream (never two
+ * calls at once). The CPU backend needs no zero-filling.
+ * Errors: INVALID_ARGUMENT (n < 0, k < 0, k > n, a NULL pointer with k > 0, a workspace too small, an
+ * unknown index_type; nothing is written), UNSUPPORTED (backend not compiled in, or no such device).
+ * k = 0 writes nothing. */
+CONDUIT_API conduit_status conduit_topk(conduit_backend backend, int32_t device, const float *scores, int32_t n,
+                                        int32_t k, conduit_index_type index_type, void *indices, void *workspace,
+                                        size_t workspace_bytes, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -381,4 +381,32 @@ conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t first_layer,
     });
 }
 
+size_t conduit_topk_workspace_bytes(conduit_backend backend, int32_t n) {
+    if (n < 0 || !backend_compiled(backend)) return 0;
+#ifdef CONDUIT_WITH_CUDA
+    if (backend == CONDUIT_BACKEND_CUDA) return kernels::cuda::topk_workspace_bytes(n);
+#endif
+    return kernels::cpu::topk_workspace_bytes(n);
+}
+
+conduit_status conduit_topk(conduit_backend backend, int32_t device, const float *scores, int32_t n, int32_t k,
+                            conduit_index_type index_type, void *indices, void *workspace, size_t workspace_bytes,
+                            void *stream) {
+    return guard([&] {
+        CONDUIT_REQUIRE(backend == CONDUIT_BACKEND_CPU || backend == CONDUIT_BACKEND_CUDA, "unknown backend %d",
+                        int(backend));
+        CONDUIT_REQUIRE(n >= 0, "n = %d must be >= 0", n);
+        CONDUIT_REQUIRE(k >= 0 && k <= n, "k = %d out of range [0, n = %d]", k, n);
+        CONDUIT_REQUIRE(index_type == CONDUIT_INDEX_I32 || index_type == CONDUIT_INDEX_I64, "unknown index_type %d",
+                        int(index_type));
+        const Device dev(backend, device);
+        const size_t needed = dev.topk_workspace_bytes(n);
+        CONDUIT_REQUIRE(workspace_bytes >= needed, "workspace_bytes = %zu, top-k of %d scores needs %zu",
+                        workspace_bytes, n, needed);
+        if (k == 0) return;
+        CONDUIT_REQUIRE(scores && indices && (workspace || needed == 0), "scores, indices and workspace must not be NULL");
+        dev.topk(scores, n, k, indices, index_type == CONDUIT_INDEX_I64, workspace, workspace_bytes, stream);
+    });
+}
+
 } // extern "C"

@@ -130,6 +130,18 @@ void Device::attention_stats(const kc::LayerView &kv, int32_t n_q, int32_t n_hea
     CONDUIT_DISPATCH(attention_stats(kv, n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, stream));
 }
 
+size_t Device::topk_workspace_bytes(int32_t n) const {
+#ifdef CONDUIT_WITH_CUDA
+    if (is_cuda()) return kc::cuda::topk_workspace_bytes(n);
+#endif
+    return kc::cpu::topk_workspace_bytes(n);
+}
+
+void Device::topk(const float *scores, int32_t n, int32_t k, void *indices, bool indices_i64, void *workspace,
+                  size_t workspace_bytes, void *stream) const {
+    CONDUIT_DISPATCH(topk(scores, n, k, indices, indices_i64, workspace, workspace_bytes, stream));
+}
+
 MirroredInts::~MirroredInts() {
     if (owner_) release(*owner_);
 }

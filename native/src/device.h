@@ -38,6 +38,9 @@ class Device {
     void attention_stats(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
                          const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
                          void *stream) const;
+    size_t topk_workspace_bytes(int32_t n) const;
+    void topk(const float *scores, int32_t n, int32_t k, void *indices, bool indices_i64, void *workspace,
+              size_t workspace_bytes, void *stream) const;
 
   private:
     void activate() const; // makes the CUDA device current

@@ -109,6 +109,16 @@ bool warp_any(bool mine) {
     return any;
 }
 
+uint32_t warp_ballot(bool mine) {
+    Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];
+    w.slots[g_current->thread.linear % 32] = mine;
+    arrive(w.barrier, "__ballot_sync");
+    uint32_t bits = 0;
+    for (int i = 0; i < 32; ++i) bits |= (w.slots[i] != 0 ? 1u : 0u) << i;
+    arrive(w.barrier, "__ballot_sync");
+    return bits;
+}
+
 void warp_gather(const void *mine, int bytes, void *all) {
     if (bytes > kWarpGatherBytes) std::abort();
     Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];

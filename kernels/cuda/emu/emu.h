@@ -58,6 +58,8 @@ void sync_block();
 // Exchanges 8 bytes with the other lanes of the warp; returns the value lane `src_lane` gave.
 uint64_t warp_exchange(uint64_t mine, int src_lane);
 bool warp_any(bool mine);
+// __ballot_sync: bit l set when lane l passed true (absent lanes of a partial warp give 0).
+uint32_t warp_ballot(bool mine);
 // Copies `bytes` (at most kWarpGatherBytes) from every lane of the warp into all[lane * bytes].
 constexpr int kWarpGatherBytes = 64;
 void warp_gather(const void *mine, int bytes, void *all);
@@ -111,9 +113,20 @@ inline int __syncthreads_or(int pred) { return emu::block_any(pred != 0) ? 1 : 0
 
 inline int __any_sync(unsigned, int pred) { return emu::warp_any(pred != 0) ? 1 : 0; }
 
+inline unsigned __ballot_sync(unsigned, int pred) { return emu::warp_ballot(pred != 0); }
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
 inline unsigned long long atomicAdd(unsigned long long *address, unsigned long long value) {
     return std::atomic_ref<unsigned long long>(*address).fetch_add(value);
 }
+
+inline unsigned atomicAdd(unsigned *address, unsigned value) {
+    return std::atomic_ref<unsigned>(*address).fetch_add(value);
+}
+
+// Blocks run one after another, so every earlier write is already visible.
+inline void __threadfence() {}
 
 namespace conduit::kernels::cuda {
 inline void cp_async16(void *smem, const void *gmem, bool pred) { emu::cp_async(smem, gmem, 16, pred); }

@@ -303,6 +303,54 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
     expect(std::memcmp(vc_out.data() + off, v_only.data() + off, dense) == 0, std::string(name) + " read_dense v only");
 }
 
+// Top-k: the CUDA radix select against the CPU nth_element (same order key, same tie rule), both
+// writing int32 and int64, with one workspace reused across calls (it must come back zeroed).
+void test_topk(int n, int k, const std::string &kind, Buf<unsigned char> &workspace) {
+    Buf<float> scores(size_t(n) + 1);
+    const float special[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e38f, -1e38f, 1.0f};
+    for (int i = 0; i < n; ++i) {
+        if (kind == "ties") scores[i] = float(randint(0, 3));
+        else if (kind == "special") scores[i] = special[randint(0, 8)];
+        else if (kind == "equal") scores[i] = 2.5f;
+        else scores[i] = uniform(-1e3f, 1e3f);
+    }
+    std::vector<unsigned char> cpu_ws(kc::cpu::topk_workspace_bytes(n) + 8);
+    Buf<int32_t> expected(size_t(k) + 1, -1), got32(size_t(k) + 1, -2);
+    Buf<int64_t> got64(size_t(k) + 1, -3);
+    kc::cpu::topk(scores.data(), n, k, expected.data(), false, cpu_ws.data(), cpu_ws.size(), nullptr);
+    kc::cuda::topk(scores.data(), n, k, got32.data(), false, workspace.data(), workspace.size(), nullptr);
+    kc::cuda::topk(scores.data(), n, k, got64.data(), true, workspace.data(), workspace.size(), nullptr);
+    device_sync();
+    bool same = true, sorted = true;
+    for (int i = 0; i < k; ++i) {
+        same = same && got32[i] == expected[i] && got64[i] == expected[i];
+        sorted = sorted && (i == 0 || expected[i - 1] < expected[i]);
+    }
+    // The CPU result itself: no unselected score ranks above a selected one.
+    std::vector<bool> chosen(size_t(n), false);
+    for (int i = 0; i < k; ++i) chosen[size_t(expected[i])] = true;
+    uint32_t min_in = 0xffffffffu, max_out = 0;
+    for (int i = 0; i < n; ++i) {
+        const uint32_t key = kc::topk_order_key(scores[i]);
+        if (chosen[size_t(i)]) min_in = std::min(min_in, key);
+        else max_out = std::max(max_out, key);
+    }
+    const bool split = k == 0 || k == n || min_in >= max_out;
+    bool zeroed = true;
+    for (size_t i = 0; i < 3 * 2048 * 4 + 12; ++i) zeroed = zeroed && workspace[i] == 0; // histograms, tickets
+    expect(same && sorted && split && zeroed && got32[size_t(k)] == -2 && got64[size_t(k)] == -3,
+           "topk n=" + std::to_string(n) + " k=" + std::to_string(k) + " " + kind);
+}
+
+void test_topk_grid() {
+    const int n_max = 300000;
+    Buf<unsigned char> workspace(kc::cuda::topk_workspace_bytes(n_max), 0);
+    for (int n : {1, 2, 31, 257, 1024, 1025, 5000, 100000, n_max})
+        for (int k : {1, n / 10, n - 1, n})
+            for (const char *kind : {"random", "ties", "special", "equal"})
+                if (k >= 0 && (n <= 5000 || k == n / 10)) test_topk(n, k, kind, workspace);
+}
+
 } // namespace
 
 int main() {
@@ -347,6 +395,8 @@ int main() {
     test_stats(kc::DType::F32, 1, 8, 64, 16, 300, 40, 0.5f); // query chunks in the key pass
     test_stats(kc::DType::F16, 2, 3, 64, 4, 50, 3, 0.0f);
     test_stats(kc::DType::BF16, 1, 2, 64, 4, 50, 3, 1.0f);
+    test_topk_grid();
+    std::printf("topk: %d checks, %d failures\n", checks, failures);
     std::printf("total: %d checks, %d failures\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }
