@@ -245,6 +245,20 @@ def test_context_probe_loss_reads_the_probed_layer(tokenizer, pools):
     assert layers[1].mlp.down_proj.weight.grad is None  # above the probed layer (index 1 = layer 0's output)
 
 
+def _eager_forward(tokenizer, pool, batch):
+    """A tiny model with non-trivial weights and eager attention, run on ``batch``: (model, output
+    with hidden states and attention probabilities), the reference the attention hints must match."""
+    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=1)
+    model.config._attn_implementation = "eager"
+    model.model.language_model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
+        out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, output_hidden_states=True, output_attentions=True)
+    return model, out
+
+
 def test_attention_hint_targets_each_answer_cell_and_matches_the_layers_attention(tokenizer, pools):
     """Each answer character's target is the cell it is read from; the loss equals -log of head 0's
     attention there as transformers' eager attention reports it."""
@@ -263,14 +277,8 @@ def test_attention_hint_targets_each_answer_cell_and_matches_the_layers_attentio
         page_position, cell = divmod(image_positions.index(target), NUM_IMAGE_TOKENS)
         char, colour = read_cells(pool.pixels[request.page_ids[page_position]])[divmod(cell, GRID_SIZE)]
         assert char == predicted and colour != "grey"
-    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=1)
-    model.config._attn_implementation = "eager"
-    model.model.language_model.config._attn_implementation = "eager"
+    model, out = _eager_forward(tokenizer, pool, batch)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-        pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
-        out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, output_hidden_states=True, output_attentions=True)
         loss = attention_hint_loss(model, out.hidden_states, batch, layer=1)
     attention = out.attentions[1][batch["hint_rows"], 0, batch["hint_positions"], batch["hint_targets"]]
     torch.testing.assert_close(loss, -attention.log().mean(), atol=1e-4, rtol=1e-4)
@@ -301,14 +309,8 @@ def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(to
             page_position, cell = divmod(image_positions.index(target), NUM_IMAGE_TOKENS)
             chars += read_cells(pool.pixels[requests[row].page_ids[page_position]])[divmod(cell, GRID_SIZE)][0]
         assert chars == requests[row].answer_to(asks).replace(" ", "")
-    model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=1)
-    model.config._attn_implementation = "eager"
-    model.model.language_model.config._attn_implementation = "eager"
+    model, out = _eager_forward(tokenizer, pool, batch)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-        pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
-        out = model(input_ids=batch["input_ids"], pixel_values=pixel_values, output_hidden_states=True, output_attentions=True)
         loss = field_hint_loss(model, out.hidden_states, batch, layer=1)
     head = field_hint_head(model)
     assert head == 2  # tiny: 4 query heads over 2 KV groups
