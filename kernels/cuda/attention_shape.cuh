@@ -46,6 +46,7 @@ void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens
 // chunks per lane (kLanes * kPerLane * kChunk<T> >= head_dim), kGroupTile query heads per CTA.
 template <typename T, int kLanes, int kPerLane, int kGroupTile> struct AttnShape {
     static constexpr int kVec = kChunk<T>;
+    static constexpr int kLanesPerRow = kLanes, kChunksPerLane = kPerLane;
     static constexpr int kRowChunks = kLanes * kPerLane;           // 16-byte chunks of a padded row
     static constexpr int kFloats = kPerLane * kVec;                // floats per lane per head
     static constexpr int kGroupsPerWarp = 32 / kLanes;
