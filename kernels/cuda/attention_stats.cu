@@ -28,7 +28,7 @@ constexpr int32_t kMinQueriesPerChunk = 16;  // pass 3: queries a CTA walks at l
 constexpr int32_t kTargetCtasPerSm = 4;      // pass 3: query chunks are added below this many CTAs
 constexpr int32_t kScoreQueries = 64;        // pass 1: queries per CTA (its running state is in smem)
 constexpr int32_t kScoreCtasPerSm = 16;      // pass 1: key tiles are split until this many CTAs
-constexpr int32_t kMaxScoreSplits = 128;     // pass 1: bounds the partials per (query, head)
+constexpr int32_t kMaxScoreSplits = 256;     // pass 1: bounds the partials per (query, head)
 
 struct StatsParams {
     AttentionParams a;
