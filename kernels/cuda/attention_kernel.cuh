@@ -14,7 +14,8 @@
 //      by their (max, sum) pairs.
 // A key is visible when positions[slot] <= q_pos; a query seeing nothing gets out = 0, lse = -inf.
 // With kValues = false the same kernel skips V and writes only each split's score max and
-// log-sum-exp (base 2): the first pass of attention_stats (attention_stats.cu).
+// log-sum-exp (base 2). attention_stats no longer uses it (its passes are key-major, see
+// attention_stats.cu); attention.cu instantiates kValues = true only.
 #pragma once
 
 #include <math_constants.h>

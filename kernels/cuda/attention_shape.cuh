@@ -28,7 +28,7 @@ struct AttentionParams {
     float *partial_out;     // [n_q, n_heads, n_splits, head_dim] float32, when n_splits > 1
     float *partial_lse;     // [n_q, n_heads, n_splits] float32, when n_splits > 1 or !kValues:
                             // natural log with values, base 2 (of scores * log2 e) without
-    float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (!kValues only)
+    float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (attention_stats pass 1)
     int32_t n_splits;
     int32_t split_tokens;   // slots per split, a multiple of the tile rows
     bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
@@ -46,6 +46,7 @@ void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens
 // chunks per lane (kLanes * kPerLane * kChunk<T> >= head_dim), kGroupTile query heads per CTA.
 template <typename T, int kLanes, int kPerLane, int kGroupTile> struct AttnShape {
     static constexpr int kVec = kChunk<T>;
+    static constexpr int kLanesPerRow = kLanes, kChunksPerLane = kPerLane;
     static constexpr int kRowChunks = kLanes * kPerLane;           // 16-byte chunks of a padded row
     static constexpr int kFloats = kPerLane * kVec;                // floats per lane per head
     static constexpr int kGroupsPerWarp = 32 / kLanes;

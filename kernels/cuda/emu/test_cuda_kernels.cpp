@@ -167,29 +167,58 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     device_sync();
 }
 
-void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, float threshold) {
+// causal_chunk: positions 0..n_tokens-1 in slot order and the queries are the last n_q of them (a
+// prefill chunk, as CONDUIT's text queries); otherwise random positions, query 1 sees nothing.
+// The CUDA result must match the CPU and be bit-identical when run again (deterministic). With
+// threshold 1 every visible score but the max counts as below: an exact count that only holds when
+// pass 3 recomputes the max of pass 1 bit for bit.
+void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, float threshold,
+                bool causal_chunk = false) {
     const int n_heads = hk * group;
     Layer l = make_layer(dtype, hk, d, bs, n_tokens, 80);
     Buf<unsigned char> q_buf = random_dense(dtype, int64_t(n_q) * n_heads * d, 2.0f);
     Buf<int32_t> q_pos;
     for (int i = 0; i < n_q; ++i) q_pos.push_back(i == 1 ? -1 : randint(20, 80));
-    Buf<float> mass_cpu(size_t(n_tokens) + 1), mass_gpu(size_t(n_tokens) + 1, NAN);
+    if (causal_chunk) {
+        for (int s = 0; s < n_tokens; ++s) l.positions[size_t(s)] = s;
+        for (int i = 0; i < n_q; ++i) q_pos[size_t(i)] = n_tokens - n_q + i;
+    }
+    Buf<float> mass_cpu(size_t(n_tokens) + 1), mass_gpu(size_t(n_tokens) + 1, NAN), mass_again(size_t(n_tokens) + 1, NAN);
     Buf<float> below_cpu(static_cast<size_t>(n_heads)), below_gpu(static_cast<size_t>(n_heads), NAN);
-    Buf<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, NAN);
+    Buf<float> below_again(static_cast<size_t>(n_heads), NAN);
+    Buf<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, NAN), lse_again(size_t(n_q) * n_heads, NAN);
     const float scale = 1.0f / std::sqrt(float(d));
     kc::cpu::attention_stats(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, threshold, mass_cpu.data(),
                              below_cpu.data(), lse_cpu.data(), nullptr);
     kc::cuda::attention_stats(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, threshold, mass_gpu.data(),
                               below_gpu.data(), lse_gpu.data(), nullptr);
+    kc::cuda::attention_stats(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, threshold, mass_again.data(),
+                              below_again.data(), lse_again.data(), nullptr);
     device_sync();
     char name[200];
-    std::snprintf(name, sizeof name, "stats %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d thr=%g", dtype_name(dtype), hk, group,
-                  d, bs, n_tokens, n_q, double(threshold));
+    std::snprintf(name, sizeof name, "stats %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d thr=%g causal=%d", dtype_name(dtype),
+                  hk, group, d, bs, n_tokens, n_q, double(threshold), int(causal_chunk));
     int bad = 0;
     for (int s = 0; s < n_tokens; ++s) bad += !close(mass_gpu[size_t(s)], mass_cpu[size_t(s)], 1e-5f, 1e-4f);
     for (int h = 0; h < n_heads; ++h) bad += std::fabs(below_gpu[size_t(h)] - below_cpu[size_t(h)]) > 1.0f;
     for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
     expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
+    const bool same = std::memcmp(mass_gpu.data(), mass_again.data(), size_t(n_tokens) * sizeof(float)) == 0 &&
+                      std::memcmp(below_gpu.data(), below_again.data(), size_t(n_heads) * sizeof(float)) == 0 &&
+                      std::memcmp(lse_gpu.data(), lse_again.data(), lse_gpu.size() * sizeof(float)) == 0;
+    expect(same, std::string(name) + " not deterministic");
+    if (threshold == 1.0f) {
+        int64_t visible_pairs = 0, seeing = 0;
+        for (int i = 0; i < n_q; ++i) {
+            int64_t n_visible = 0;
+            for (int s = 0; s < n_tokens; ++s) n_visible += l.positions[size_t(s)] <= q_pos[size_t(i)];
+            visible_pairs += n_visible;
+            seeing += n_visible > 0;
+        }
+        int wrong = 0; // random scores: no ties at the max
+        for (int h = 0; h < n_heads; ++h) wrong += below_gpu[size_t(h)] != float(visible_pairs - seeing);
+        expect(wrong == 0, std::string(name) + " below-max counts off in " + std::to_string(wrong) + " heads");
+    }
 }
 
 // Pools or dense tensors: bit for bit in the emulator (same cosf/sinf as the CPU); on a GPU, whose
@@ -399,6 +428,18 @@ int main() {
     test_stats(kc::DType::F32, 1, 8, 64, 16, 300, 40, 0.5f); // query chunks in the key pass
     test_stats(kc::DType::F16, 2, 3, 64, 4, 50, 3, 0.0f);
     test_stats(kc::DType::BF16, 1, 2, 64, 4, 50, 3, 1.0f);
+    // The key-major first pass (score_max_lse_kernel) at the traits of the bench shape (bf16, head_dim
+    // 128, GQA group 1 and 4, up to 64 text queries): key counts off the 32-row tile, splits of several
+    // key tiles (the emulator reports 4 SMs), more than 64 queries (two query chunks), causal and
+    // scattered positions, thresholds 0 and 0.01; threshold 1 checks the max bit for bit.
+    for (float thr : {0.0f, 0.01f}) {
+        test_stats(kc::DType::BF16, 8, 1, 128, 16, 300, randint(8, 24), thr, true); // 10 tiles, 2 per split
+        test_stats(kc::DType::BF16, 2, 4, 128, 16, randint(150, 180), randint(65, 70), thr, false);
+        test_stats(kc::DType::BF16, 1, 4, 128, 16, 2100 + randint(1, 31), 4, thr, true); // 66 tiles
+        test_stats(kc::DType::F16, 1, 1, 64, 1, 97, 1, thr, randint(0, 1));
+    }
+    test_stats(kc::DType::BF16, 8, 1, 128, 16, 301, 12, 1.0f, true);
+    test_stats(kc::DType::F32, 2, 3, 80, 4, 300, 67, 1.0f, false);
     test_topk_grid();
     std::printf("topk: %d checks, %d failures\n", checks, failures);
     std::printf("total: %d checks, %d failures\n", checks, failures);
