@@ -307,16 +307,9 @@ class Sequence(_Child):
 
     def restore_image(self, layer: int, image: "ImageEntry", slots: Iterable[int] | torch.Tensor | None = None,
                       rope_pos: torch.Tensor | None = None) -> None:
-        """Writes an image entry's layer into ``slots`` (default: the last n), K rotated at ``rope_pos``."""
-        n = image.n_tokens
-        sp = self._ffi.NULL
-        if slots is not None:
-            sp, count = _int32_host(slots, "slots")
-            if count != n:
-                raise InvalidArgumentError(f"{count} slots given for an image of {n} tokens")
-        native.check(self._lib.conduit_seq_restore_image(self.handle, layer, image.handle, sp,
-                                                         self._rope_ptr(rope_pos, n), self.arena.stream()),
-                     "restoring an image entry")
+        """Writes an image entry's layer into ``slots`` (default: the last n), K rotated at ``rope_pos``
+        (the one-entry, one-layer case of ``restore_images``)."""
+        self.restore_images([image], slots, rope_pos, layers=range(layer, layer + 1))
 
     def restore_images(self, images: Seq["ImageEntry"], slots: Iterable[int] | torch.Tensor | None = None,
                        rope_pos: torch.Tensor | None = None, layers: range | None = None) -> None:
