@@ -55,7 +55,7 @@ void launch(AttentionParams p, cudaStream_t stream) {
         }
     }
     const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads * p.head_tiles), unsigned(p.n_splits)};
-    split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile, true><<<grid, kAttnThreads, 0, stream>>>(p);
+    split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile><<<grid, kAttnThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH("split_kv_attention_kernel");
     if (p.n_splits > 1) {
         const size_t smem = size_t(p.n_splits) * sizeof(float);

@@ -1,5 +1,5 @@
 // attention_kernel.cuh: the split-KV ("flash-decoding") attention kernel over one paged layer.
-// Host-side dispatch lives in attention.cu (values) and attention_stats.cu (scores only).
+// Host-side dispatch lives in attention.cu.
 //
 // Grid: x = query, y = KV head x head tile, z = split of the layer's slots. A CTA owns one query,
 // one KV head and up to kGroupTile of the query heads that share it (GQA), so every K and V byte of
@@ -13,9 +13,6 @@
 //   3. fp32 online softmax in base 2 per row group; row groups, then warps, are merged at the end
 //      by their (max, sum) pairs.
 // A key is visible when positions[slot] <= q_pos; a query seeing nothing gets out = 0, lse = -inf.
-// With kValues = false the same kernel skips V and writes only each split's score max and
-// log-sum-exp (base 2). attention_stats no longer uses it (its passes are key-major, see
-// attention_stats.cu); attention.cu instantiates kValues = true only.
 #pragma once
 
 #include <math_constants.h>
@@ -31,9 +28,9 @@ template <int kLanes> __device__ __forceinline__ float group_sum(float x) {
     return x;
 }
 
-// Issues the cp.async copies of one tile (K, V when kValues, and positions of kTileRows slots from
+// Issues the cp.async copies of one tile (K, V, and positions of kTileRows slots from
 // tile_start); rows past `end` and padding chunks past head_dim are zero-filled.
-template <typename S, typename T, bool kValues>
+template <typename S, typename T>
 __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start, int32_t end,
                                           uint4 *stage, int32_t *stage_pos) {
     const T *pool = static_cast<const T *>(p.pool);
@@ -52,7 +49,7 @@ __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_h
                     chunk * S::kVec;
         }
         cp_async16(stage + idx, k_src, ok);
-        if (kValues) cp_async16(stage + S::kTileChunks + idx, ok ? k_src + p.v_delta : pool, ok);
+        cp_async16(stage + S::kTileChunks + idx, ok ? k_src + p.v_delta : pool, ok);
     }
     for (int32_t row = threadIdx.x; row < S::kTileRows; row += kAttnThreads) {
         const int32_t slot = tile_start + row;
@@ -94,7 +91,7 @@ __device__ __forceinline__ void trim_to_visible(const int32_t *positions, int32_
     end = last + 1 > begin ? last + 1 : begin;
 }
 
-template <typename T, int kLanes, int kPerLane, int kGroupTile, bool kValues>
+template <typename T, int kLanes, int kPerLane, int kGroupTile>
 __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const AttentionParams p) {
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     constexpr int kVec = S::kVec, kF = S::kFloats, kRows = S::kRowsPerGroup;
@@ -148,13 +145,13 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
     for (int t = 0; t < kAttnStages - 1; ++t) {
         if (t < n_tiles)
-            load_tile<S, T, kValues>(p, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
+            load_tile<S, T>(p, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
         cp_async_commit();
     }
     for (int32_t tile = 0; tile < n_tiles; ++tile) {
         const int32_t ahead = tile + kAttnStages - 1;
         if (ahead < n_tiles)
-            load_tile<S, T, kValues>(p, kv_head, begin + ahead * S::kTileRows, end,
+            load_tile<S, T>(p, kv_head, begin + ahead * S::kTileRows, end,
                             smem + (ahead % kAttnStages) * S::kStageChunks, pos_smem[ahead % kAttnStages]);
         cp_async_commit();
         cp_async_wait<kAttnStages - 1>();
@@ -210,7 +207,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
                 }
             }
 #pragma unroll
-            for (int r = 0; r < (kValues ? kRows : 0); ++r) {
+            for (int r = 0; r < kRows; ++r) {
                 float v[kF];
 #pragma unroll
                 for (int c = 0; c < kPerLane; ++c)
@@ -240,7 +237,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
             const float mine = exp2f(run_max[h] - ref), theirs = exp2f(other_max - ref);
             run_sum[h] = run_sum[h] * mine + other_sum * theirs;
 #pragma unroll
-            for (int e = 0; e < (kValues ? kF : 0); ++e) {
+            for (int e = 0; e < kF; ++e) {
                 const float other = __shfl_xor_sync(0xffffffffu, acc[h][e], offset);
                 acc[h][e] = acc[h][e] * mine + other * theirs;
             }
@@ -256,7 +253,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
         for (int h = 0; h < kGroupTile; ++h) {
 #pragma unroll
-            for (int c = 0; c < (kValues ? kPerLane : 0); ++c) {
+            for (int c = 0; c < kPerLane; ++c) {
 #pragma unroll
                 for (int e = 0; e < kVec; e += 4) { // float4 stores: 2-way bank conflicts instead of 8-way
                     const float *a = &acc[h][c * kVec + e];
@@ -272,10 +269,9 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     }
     __syncthreads();
 
-    // Without values one thread per head writes the split's base-2 max and log-sum-exp.
-    const int32_t n_outputs = kValues ? n_my_heads * p.head_dim : n_my_heads;
+    const int32_t n_outputs = n_my_heads * p.head_dim;
     for (int32_t idx = threadIdx.x; idx < n_outputs; idx += kAttnThreads) {
-        const int32_t h = kValues ? idx / p.head_dim : idx, d = kValues ? idx % p.head_dim : 0;
+        const int32_t h = idx / p.head_dim, d = idx % p.head_dim;
         float total_max = -CUDART_INF_F;
 #pragma unroll
         for (int w = 0; w < kAttnWarps; ++w) total_max = fmaxf(total_max, max_smem[w][h]);
@@ -285,16 +281,11 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
         for (int w = 0; w < kAttnWarps; ++w) {
             const float weight = exp2f(max_smem[w][h] - ref);
             total_sum += sum_smem[w][h] * weight;
-            if (kValues) total_acc += merge[(w * kGroupTile + h) * kPadded + d] * weight;
+            total_acc += merge[(w * kGroupTile + h) * kPadded + d] * weight;
         }
         const bool empty = total_sum == 0.0f;
         const int64_t head_row = int64_t(qi) * p.n_heads + first_head + h;
         const int64_t part = head_row * p.n_splits + split;
-        if (!kValues) {
-            p.partial_max[part] = total_max;
-            p.partial_lse[part] = empty ? -CUDART_INF_F : total_max + log2f(total_sum);
-            continue;
-        }
         const float value = empty ? 0.0f : total_acc / total_sum;
         const float lse = empty ? -CUDART_INF_F : total_max * CUDART_LN2_F + logf(total_sum);
         if (p.n_splits == 1) {

@@ -26,8 +26,8 @@ struct AttentionParams {
     void *out;              // [n_q, n_heads, head_dim], written when n_splits == 1
     float *lse;             // [n_q, n_heads] or null, written when n_splits == 1
     float *partial_out;     // [n_q, n_heads, n_splits, head_dim] float32, when n_splits > 1
-    float *partial_lse;     // [n_q, n_heads, n_splits] float32, when n_splits > 1 or !kValues:
-                            // natural log with values, base 2 (of scores * log2 e) without
+    float *partial_lse;     // [n_q, n_heads, n_splits] float32: attention's, when n_splits > 1, natural
+                            // log; attention_stats pass 1's, base 2 (of scores * log2 e)
     float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (attention_stats pass 1)
     int32_t n_splits;
     int32_t split_tokens;   // slots per split, a multiple of the tile rows
