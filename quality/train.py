@@ -1,6 +1,6 @@
 """Train the task model from scratch and ship it as a Hugging Face LLaVA folder.
 
-    python -m quality.train --out runs/quality            # GPU: the shipped model, about 8 minutes
+    python -m quality.train --out runs/quality --minutes 6.4 --stale-requests 64   # GPU: the shipped model
     python -m quality.train --out /tmp/q --tiny           # CPU smoke run, seconds
 
 Plain PyTorch: ``LlavaForConditionalGeneration`` in float32 with bfloat16 autocast on CUDA, AdamW,
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--field-weight", type=float, default=0.5,
                         help="weight of the auxiliary field hint: question tokens look at the asked fields "
                              "(needs --probe-weight > 0; 0: off)")
-    parser.add_argument("--curriculum", type=float, default=0.15, help="fraction of training to reach 8 pages")
+    parser.add_argument("--curriculum", type=float, default=0.25, help="fraction of training to reach 8 pages")
     parser.add_argument("--followups", type=int, default=3,
                         help="training conversations ask 1 + 0..followups questions (more answer tokens per pass)")
     parser.add_argument("--max-pages", type=int, default=8, help="most pages per request (train and eval)")
