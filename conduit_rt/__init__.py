@@ -23,7 +23,7 @@ def __getattr__(name: str):
         from .runtime import Runtime
 
         return Runtime
-    if name in ("KVArena", "Sequence", "ImageEntry", "ArenaStats"):
+    if name in ("KVArena", "Sequence", "ImageEntry", "ArenaStats", "DecodeStep"):
         from . import arena
 
         return getattr(arena, name)

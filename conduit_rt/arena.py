@@ -1,4 +1,4 @@
-"""A Pythonic layer over the native KV arena: ``KVArena``, ``Sequence``, ``ImageEntry``.
+"""A Pythonic layer over the native KV arena: ``KVArena``, ``Sequence``, ``ImageEntry``, ``DecodeStep``.
 
 Tensors go in and out as torch tensors on the arena's device (CPU, or the CUDA device it was made
 on) and in its dtype; every kernel is enqueued on torch's current CUDA stream. Shapes:
@@ -173,6 +173,14 @@ class KVArena:
         out = self._ffi.new("conduit_seq **")
         native.check(self._lib.conduit_seq_create(self.handle, out), "creating a sequence")
         return Sequence(self, out[0])
+
+    def new_step(self, max_seqs: int, max_tokens: int, n_heads: int) -> "DecodeStep":
+        """A decode step for batches of up to ``max_seqs`` sequences of up to ``max_tokens`` tokens per
+        layer, with queries of ``n_heads`` heads (see ``DecodeStep``)."""
+        out = self._ffi.new("conduit_step **")
+        native.check(self._lib.conduit_step_create(self.handle, max_seqs, max_tokens, n_heads, self.stream(), out),
+                     "creating a decode step")
+        return DecodeStep(self, out[0], max_seqs, max_tokens, n_heads)
 
     def create_image(self, key: bytes, n_tokens: int) -> "ImageEntry":
         """A pending image entry (write every layer, then ``commit``). Raises AlreadyExistsError,
@@ -383,6 +391,76 @@ class Sequence(_Child):
         native.check(self._lib.conduit_seq_read_kv(self.handle, layer, self._ffi.cast("void *", k.data_ptr()),
                                                    self._ffi.cast("void *", v.data_ptr()), self.arena.stream()))
         return k, v
+
+
+class DecodeStep(_Child):
+    """One new token for each sequence of a batch, with what the kernels read about the sequences
+    (their lengths and block tables) at fixed device addresses: ``prepare`` updates it in place, and
+    ``write_kv`` / ``attention`` only enqueue kernels that read it, so a CUDA graph that captured them
+    replays correctly at every later step (see conduit.h, "Decode steps").
+
+    The step offers the two calls a decoder layer makes on a ``Sequence``, so a model's forward runs
+    over a step as it runs over one sequence. Row i of every tensor is sequence i of the last
+    ``prepare``: K, V ``[n_seqs, n_kv_heads, head_dim]``, queries and output ``[n_seqs, n_heads,
+    head_dim]``, RoPE positions int32 ``[n_seqs]`` or ``[3, n_seqs]``.
+    """
+
+    def __init__(self, arena: KVArena, handle, max_seqs: int, max_tokens: int, n_heads: int) -> None:
+        super().__init__(arena, handle)
+        self.max_seqs, self.max_tokens, self.n_heads = max_seqs, max_tokens, n_heads
+        self.n_seqs = 0
+
+    def free(self) -> None:
+        if self._handle is not None:
+            self._lib.conduit_step_free(self._handle)
+            self._handle = None
+
+    def _require_prepared(self) -> None:
+        if self.n_seqs == 0:
+            raise InvalidArgumentError("the decode step was not prepared (call prepare first)")
+
+    def prepare(self, seqs: Seq[Sequence], positions: Iterable[int] | torch.Tensor) -> None:
+        """Appends a token at ``positions[i]`` to every layer of ``seqs[i]`` and updates the step's
+        device state. Each position must come after every stored one; on error nothing changed."""
+        seqs = list(seqs)
+        arr, n = _int32_host(positions, "positions")
+        if n != len(seqs):
+            raise InvalidArgumentError(f"{n} positions given for {len(seqs)} sequences")
+        handles = self._ffi.new("conduit_seq *[]", [s.handle for s in seqs]) if seqs else self._ffi.NULL
+        native.check(self._lib.conduit_step_prepare(self.handle, len(seqs), handles, arr, self.arena.stream()),
+                     "preparing a decode step")
+        self.n_seqs = len(seqs)
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: None = None,
+                 rope_pos: torch.Tensor | None = None) -> None:
+        """Writes the new tokens' K, V [n_seqs, n_kv_heads, head_dim] into their slots, K rotated at
+        ``rope_pos``. ``slots`` must be None: a step's tokens go to the slots ``prepare`` appended."""
+        if slots is not None:
+            raise InvalidArgumentError("a decode step writes the slots prepare appended; slots must be None")
+        self._require_prepared()
+        shape = [self.n_seqs, self.arena.n_kv_heads, self.arena.head_dim]
+        rope = self._ffi.NULL
+        if rope_pos is not None:
+            rope = self.arena.ptr(rope_pos, "rope_pos", [self.n_seqs] if rope_pos.dim() == 1 else [3, self.n_seqs],
+                                  torch.int32)
+        native.check(self._lib.conduit_step_write_kv(self.handle, layer, self.arena.ptr(k, "k", shape),
+                                                     self.arena.ptr(v, "v", shape), rope, self.arena.stream()),
+                     "writing a decode step's KV")
+
+    def attention(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor | None = None, scale: float = 1.0,
+                  return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [n_seqs, n_heads, head_dim] over every stored token of each query's own
+        sequence. ``q_pos`` is not read (a decode query comes after every stored token, as ``prepare``
+        checked); it is accepted so that a step stands in for a ``Sequence``."""
+        self._require_prepared()
+        qp = self.arena.ptr(q, "q", [self.n_seqs, self.n_heads, self.arena.head_dim])
+        out = torch.empty_like(q)
+        lse = torch.empty(self.n_seqs, self.n_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        native.check(self._lib.conduit_step_attention(
+            self.handle, layer, qp, float(scale), self._ffi.cast("void *", out.data_ptr()),
+            self._ffi.cast("float *", lse.data_ptr()) if lse is not None else self._ffi.NULL, self.arena.stream()),
+            "decode step attention")
+        return (out, lse) if return_lse else out
 
 
 class ImageEntry(_Child):

@@ -48,6 +48,34 @@ struct LayerView {
     int64_t block_elems() const { return int64_t(2) * n_kv_heads * block_size * head_dim; }
 };
 
+// One layer of a batch of sequences, as a decode step sees it (conduit_step in conduit.h). Unlike a
+// LayerView, the lengths and block tables are device memory owned by the step and updated in place
+// between steps, so a launch over a BatchView stays valid when the sequences grow (a CUDA graph can
+// replay it). Sequence i holds n_tokens[i] tokens; its block table is row i of block_tables.
+struct BatchView {
+    void *pool = nullptr;                  // device: base of the block pool
+    const int32_t *block_tables = nullptr; // device int32 [n_seqs, table_stride]
+    const int32_t *n_tokens = nullptr;     // device int32 [n_seqs]
+    int64_t table_stride = 0;              // ints per block-table row
+    int32_t n_seqs = 0;
+    int32_t max_tokens = 0; // capacity: every n_tokens[i] <= max_tokens (the launch is planned on it)
+    int32_t n_kv_heads = 0;
+    int32_t head_dim = 0;
+    int32_t block_size = 0;
+    DType dtype = DType::F32;
+
+    // The shape fields as a LayerView (no table, no tokens), for code shared with layer kernels.
+    LayerView layout() const {
+        LayerView v;
+        v.pool = pool;
+        v.n_kv_heads = n_kv_heads;
+        v.head_dim = head_dim;
+        v.block_size = block_size;
+        v.dtype = dtype;
+        return v;
+    }
+};
+
 // RoPE as the kernels apply it: rotate-half over the first 2 * n_freq elements of each head,
 // pairs (i, i + n_freq), angle = pos * inv_freq[i]; cos and sin scaled by `scaling`.
 // type 0: none, 1: NEOX (rope_pos int32 [n]), 2: MROPE (rope_pos int32 [3, n]; frequency i takes
@@ -110,6 +138,21 @@ CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
        n_below float32 [n_heads] or null, lse float32 [n_q, n_heads] or null. */                          \
     void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
                          float scale, float threshold, float *mass, float *n_below, float *lse, void *stream);     \
+    /* Decode-step write: k, v [n_seqs, n_kv_heads, head_dim], one new token per sequence, into slot   \
+       n_tokens[i] - 1 of sequence i; K rotated at rope_pos ([n_seqs] or [3, n_seqs]) when rope.type   \
+       != 0. Reads the lengths and tables on the device, so it can be graph-captured. */                 \
+    void write_last(const BatchView &dst, const void *k, const void *v, const Rope &rope,               \
+                    const int32_t *rope_pos, void *stream);                                               \
+    /* Decode-step attention: q [n_seqs, n_heads, head_dim], one query per sequence, over EVERY stored  \
+       token of its sequence (no position mask: a decode query comes after all of them); out like q,   \
+       lse float32 [n_seqs, n_heads] or null. workspace: batch_attention_workspace_bytes(kv, n_heads)   \
+       bytes of device memory for split partials. The launch depends on n_seqs and max_tokens only, not \
+       on the lengths, so one captured launch serves every step. */                                       \
+    void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,     \
+                         float *lse, void *workspace, size_t workspace_bytes, void *stream);              \
+    size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads);                        \
+    /* dst[pairs[2j]] = pairs[2j + 1] for j < n_pairs (device int32 pairs): patches a step's tables. */   \
+    void scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *stream);                \
     /* Bytes of device workspace topk needs for n scores. */                                              \
     size_t topk_workspace_bytes(int32_t n);                                                               \
     /* Indices of the k largest of scores float32 [n] in the order of topk_order_key (ties: lower index \

@@ -28,7 +28,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
             std::fill(row_sum.begin(), row_sum.end(), 0.0f);
 
             for (int32_t s = 0; s < kv.n_tokens; ++s) {
-                if (kv.positions[s] > pos) continue;
+                if (kv.positions && kv.positions[s] > pos) continue; // no positions: every key is visible
                 const int64_t off = k_offset(kv, s, g);
                 for (int32_t e = 0; e < d; ++e) krow[e] = load(kv.pool, off + e, kv.dtype);
                 for (int32_t e = 0; e < d; ++e) vrow[e] = load(kv.pool, off + vd + e, kv.dtype);
@@ -59,5 +59,20 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
         }
     }
 }
+
+void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out, float *lse, void *,
+                     size_t, void *stream) {
+    const int64_t row = int64_t(n_heads) * kv.head_dim * dtype_size(kv.dtype); // bytes of one query
+    const int32_t any_position = 0; // unused: without positions every key is visible
+    for (int32_t i = 0; i < kv.n_seqs; ++i) {
+        LayerView layer = kv.layout();
+        layer.block_table = kv.block_tables + i * kv.table_stride;
+        layer.n_tokens = kv.n_tokens[i];
+        attention(layer, 1, n_heads, static_cast<const char *>(q) + i * row, &any_position, scale,
+                  static_cast<char *>(out) + i * row, lse ? lse + int64_t(i) * n_heads : nullptr, stream);
+    }
+}
+
+size_t batch_attention_workspace_bytes(const BatchView &, int32_t) { return 0; }
 
 } // namespace conduit::kernels::cpu

@@ -75,6 +75,26 @@ void copy_paged_layers(const LayerView &src, Slots src_slots, int64_t src_table_
     }
 }
 
+void write_last(const BatchView &dst, const void *k, const void *v, const Rope &rope, const int32_t *rope_pos,
+                void *stream) {
+    const int64_t row = int64_t(dst.n_kv_heads) * dst.head_dim * dtype_size(dst.dtype); // bytes of one token
+    const int32_t rope_rows = rope.type == 2 ? 3 : 1;
+    for (int32_t i = 0; i < dst.n_seqs; ++i) {
+        LayerView layer = dst.layout();
+        layer.block_table = dst.block_tables + i * dst.table_stride;
+        layer.n_tokens = dst.n_tokens[i];
+        // This token's RoPE positions as a one-token [rows, 1] list.
+        int32_t pos[3] = {0, 0, 0};
+        for (int32_t r = 0; rope_pos && r < rope_rows; ++r) pos[r] = rope_pos[int64_t(r) * dst.n_seqs + i];
+        write_dense(layer, Slots{nullptr, layer.n_tokens - 1}, 1, static_cast<const char *>(k) + i * row,
+                    static_cast<const char *>(v) + i * row, rope, rope_pos ? pos : nullptr, stream);
+    }
+}
+
+void scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *) {
+    for (int32_t j = 0; j < n_pairs; ++j) dst[pairs[2 * j]] = pairs[2 * j + 1];
+}
+
 void read_dense(const LayerView &src, void *k_out, void *v_out, void *) {
     const int32_t d = src.head_dim, hk = src.n_kv_heads;
     const int64_t vd = v_delta(src);

@@ -1,7 +1,9 @@
 // attention.cu: the CUDA attention: picks the kernel instantiation for the dtype, head_dim and GQA
 // group (attention_shape.cuh), the number of KV splits, and where the split partials go (the stream
 // workspace of runtime.cu), then merges the splits by their log-sum-exp. If that workspace cannot be
-// allocated, the call falls back to a single split: slower, same result.
+// allocated, the call falls back to a single split: slower, same result. batch_attention (a decode
+// step over a batch of sequences) plans its splits from the batch's shape alone and takes its
+// partials from the caller's workspace, so that it allocates nothing and can be graph-captured.
 #include <algorithm>
 
 #include "attention_kernel.cuh"
@@ -10,7 +12,6 @@
 namespace conduit::kernels::cuda {
 namespace {
 
-constexpr int32_t kMinSplitTokens = 128; // below this a split's fixed cost outweighs the parallelism
 constexpr int32_t kMaxSplits = 128;
 constexpr int32_t kTargetCtasPerSm = 4;  // ~2 resident CTAs per SM, two waves
 
@@ -38,22 +39,10 @@ template <typename T> __global__ void merge_splits_kernel(const AttentionParams 
     if (threadIdx.x == 0 && p.lse) p.lse[head_row] = empty ? -CUDART_INF_F : max_lse + logf(total);
 }
 
+// Runs the split-KV kernel with p's split plan (p.n_splits, p.split_tokens, and partial buffers when
+// n_splits > 1), then merges the splits.
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
-void launch(AttentionParams p, cudaStream_t stream) {
-    using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
-    plan_splits(p, S::kTileRows, kMinSplitTokens);
-    if (p.n_splits > 1) {
-        const size_t partials = size_t(p.n_q) * p.n_heads * p.n_splits;
-        const size_t out_bytes = (partials * p.head_dim * sizeof(float) + 255) / 256 * 256;
-        char *ws = static_cast<char *>(stream_workspace(out_bytes + partials * sizeof(float), stream));
-        if (ws) {
-            p.partial_out = reinterpret_cast<float *>(ws);
-            p.partial_lse = reinterpret_cast<float *>(ws + out_bytes);
-        } else { // out of memory: one split per CTA still gives the exact answer
-            p.split_tokens = std::max(p.n_tokens, 1);
-            p.n_splits = 1;
-        }
-    }
+void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
     const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads * p.head_tiles), unsigned(p.n_splits)};
     split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile><<<grid, kAttnThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH("split_kv_attention_kernel");
@@ -62,6 +51,32 @@ void launch(AttentionParams p, cudaStream_t stream) {
         merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), 128, smem, stream>>>(p);
         CUDA_CHECK_LAUNCH("merge_splits_kernel");
     }
+}
+
+// Bytes of split partials for n_q queries of n_heads heads in n_splits splits (0 for one split).
+size_t partials_bytes(int64_t n_q, int32_t n_heads, int32_t head_dim, int32_t n_splits) {
+    if (n_splits <= 1) return 0;
+    const size_t partials = size_t(n_q) * n_heads * n_splits;
+    return (partials * head_dim * sizeof(float) + 255) / 256 * 256 + partials * sizeof(float);
+}
+
+// Points p's partial buffers into `ws` (partials_bytes of them).
+void place_partials(AttentionParams &p, char *ws) {
+    const size_t partials = size_t(p.n_q) * p.n_heads * p.n_splits;
+    p.partial_out = reinterpret_cast<float *>(ws);
+    p.partial_lse = reinterpret_cast<float *>(ws + (partials * p.head_dim * sizeof(float) + 255) / 256 * 256);
+}
+
+// Splits of a decode step over a batch: enough CTAs for kTargetCtasPerSm per SM, no more than the
+// capacity gives kMinSplitTokens each. Depends on the batch's shape only (not on its lengths), so a
+// captured launch stays right as the sequences grow.
+int32_t batch_splits(const BatchView &kv, int32_t n_heads) {
+    const int32_t group = n_heads / kv.n_kv_heads;
+    const int32_t head_tiles = (group + group_tile_for(group) - 1) / group_tile_for(group);
+    const int64_t base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads * head_tiles;
+    const int64_t target = int64_t(kTargetCtasPerSm) * sm_count();
+    const int64_t by_capacity = std::max<int64_t>((int64_t(kv.max_tokens) + kMinSplitTokens - 1) / kMinSplitTokens, 1);
+    return int32_t(std::clamp<int64_t>((target + base_ctas - 1) / base_ctas, 1, std::min<int64_t>(by_capacity, kMaxSplits)));
 }
 
 } // namespace
@@ -130,7 +145,51 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
         using T = typename decltype(dtype)::type;
         dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {
             using Sh = decltype(shape);
-            launch<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, as_stream(stream));
+            plan_splits(p, AttnShape<T, Sh::lanes, Sh::per_lane, Sh::group_tile>::kTileRows, kMinSplitTokens);
+            if (p.n_splits > 1) {
+                const size_t bytes = partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits);
+                char *ws = static_cast<char *>(stream_workspace(bytes, as_stream(stream)));
+                if (ws) {
+                    place_partials(p, ws);
+                } else { // out of memory: one split per CTA still gives the exact answer
+                    p.split_tokens = std::max(p.n_tokens, 1);
+                    p.n_splits = 1;
+                }
+            }
+            launch_split_kv<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, as_stream(stream));
+        });
+    });
+}
+
+size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads) {
+    if (kv.n_seqs <= 0 || kv.n_kv_heads <= 0 || n_heads < kv.n_kv_heads) return 0;
+    return partials_bytes(kv.n_seqs, n_heads, kv.head_dim, batch_splits(kv, n_heads));
+}
+
+void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out, float *lse,
+                     void *workspace, size_t workspace_bytes, void *stream) {
+    if (kv.n_seqs <= 0) return;
+    // A LayerView without tokens: attention_params checks the shape; the lengths come from the device.
+    AttentionParams p = attention_params(kv.layout(), kv.n_seqs, n_heads, q, nullptr, scale);
+    require(kv.block_tables && kv.n_tokens, "a batch needs its block tables and lengths");
+    p.block_table = kv.block_tables;
+    p.seq_n_tokens = kv.n_tokens;
+    p.table_stride = kv.table_stride;
+    p.n_tokens = kv.max_tokens;
+    p.trim_to_visible = false;
+    p.out = out;
+    p.lse = lse;
+    p.n_splits = batch_splits(kv, n_heads);
+    if (p.n_splits > 1) {
+        require(workspace && workspace_bytes >= partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits),
+                "batch attention: workspace too small");
+        place_partials(p, static_cast<char *>(workspace));
+    }
+    dispatch_dtype(kv.dtype, [&](auto dtype) {
+        using T = typename decltype(dtype)::type;
+        dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {
+            using Sh = decltype(shape);
+            launch_split_kv<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, as_stream(stream));
         });
     });
 }

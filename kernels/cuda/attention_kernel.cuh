@@ -12,7 +12,10 @@
 //      score is a lane-local dot product plus a butterfly sum over the row group.
 //   3. fp32 online softmax in base 2 per row group; row groups, then warps, are merged at the end
 //      by their (max, sum) pairs.
-// A key is visible when positions[slot] <= q_pos; a query seeing nothing gets out = 0, lse = -inf.
+// A key is visible when positions[slot] <= q_pos (every key when positions is null: a decode step);
+// a query seeing nothing gets out = 0, lse = -inf. For a decode step over a batch of sequences
+// (p.seq_n_tokens set), query x reads its own sequence: its length, block table and split size are
+// read on the device, so the grid depends only on the batch and its capacity.
 #pragma once
 
 #include <math_constants.h>
@@ -29,10 +32,11 @@ template <int kLanes> __device__ __forceinline__ float group_sum(float x) {
 }
 
 // Issues the cp.async copies of one tile (K, V, and positions of kTileRows slots from
-// tile_start); rows past `end` and padding chunks past head_dim are zero-filled.
+// tile_start, through block table `table`); rows past `end` and padding chunks past head_dim are
+// zero-filled. Positions are not loaded when p.positions is null.
 template <typename S, typename T>
-__device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start, int32_t end,
-                                          uint4 *stage, int32_t *stage_pos) {
+__device__ __forceinline__ void load_tile(const AttentionParams &p, const int32_t *table, int32_t kv_head,
+                                          int32_t tile_start, int32_t end, uint4 *stage, int32_t *stage_pos) {
     const T *pool = static_cast<const T *>(p.pool);
     const int32_t n_chunks = p.head_dim / S::kVec;
     const int32_t block_mask = (1 << p.block_shift) - 1;
@@ -44,14 +48,14 @@ __device__ __forceinline__ void load_tile(const AttentionParams &p, int32_t kv_h
         const bool ok = slot < end && chunk < n_chunks;
         const T *k_src = pool;
         if (ok) {
-            const int64_t block = p.block_table[slot >> p.block_shift];
+            const int64_t block = table[slot >> p.block_shift];
             k_src = pool + block * p.block_elems + ((int64_t(kv_head) << p.block_shift) + (slot & block_mask)) * p.head_dim +
                     chunk * S::kVec;
         }
         cp_async16(stage + idx, k_src, ok);
         cp_async16(stage + S::kTileChunks + idx, ok ? k_src + p.v_delta : pool, ok);
     }
-    for (int32_t row = threadIdx.x; row < S::kTileRows; row += kAttnThreads) {
+    for (int32_t row = threadIdx.x; p.positions && row < S::kTileRows; row += kAttnThreads) {
         const int32_t slot = tile_start + row;
         cp_async4(stage_pos + row, p.positions + (slot < end ? slot : 0), slot < end);
     }
@@ -102,12 +106,19 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     const int32_t qi = blockIdx.x;
     const int32_t kv_head = blockIdx.y / p.head_tiles, head_tile = blockIdx.y % p.head_tiles;
     const int32_t split = blockIdx.z;
-    int32_t begin = split * p.split_tokens;
-    int32_t end = min(p.n_tokens, begin + p.split_tokens);
+    const int32_t *table = p.block_table;
+    int32_t n_tokens = p.n_tokens, split_tokens = p.split_tokens;
+    if (p.seq_n_tokens) { // a decode step: this query's own sequence
+        n_tokens = p.seq_n_tokens[qi];
+        table += qi * p.table_stride;
+        split_tokens = split_tokens_for(n_tokens, p.n_splits, S::kTileRows);
+    }
+    int32_t begin = min(n_tokens, split * split_tokens);
+    int32_t end = min(n_tokens, begin + split_tokens);
     const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int32_t row_group = lane / kLanes, j = lane % kLanes;
     const int32_t n_chunks = p.head_dim / kVec;
-    const int32_t q_position = p.q_pos[qi];
+    const int32_t q_position = p.q_pos ? p.q_pos[qi] : INT32_MAX;
     const int32_t first_head = kv_head * p.group + head_tile * kGroupTile; // of this CTA
     const int32_t n_my_heads = min(kGroupTile, p.group - head_tile * kGroupTile);
 
@@ -145,13 +156,13 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
     for (int t = 0; t < kAttnStages - 1; ++t) {
         if (t < n_tiles)
-            load_tile<S, T>(p, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
+            load_tile<S, T>(p, table, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
         cp_async_commit();
     }
     for (int32_t tile = 0; tile < n_tiles; ++tile) {
         const int32_t ahead = tile + kAttnStages - 1;
         if (ahead < n_tiles)
-            load_tile<S, T>(p, kv_head, begin + ahead * S::kTileRows, end,
+            load_tile<S, T>(p, table, kv_head, begin + ahead * S::kTileRows, end,
                             smem + (ahead % kAttnStages) * S::kStageChunks, pos_smem[ahead % kAttnStages]);
         cp_async_commit();
         cp_async_wait<kAttnStages - 1>();
@@ -167,7 +178,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             rows[r] = (r * kAttnWarps + warp) * S::kGroupsPerWarp + row_group; // a warp reads adjacent rows
-            visible[r] = tile_start + rows[r] < end && pos_smem[stage][rows[r]] <= q_position;
+            visible[r] = tile_start + rows[r] < end && (!p.positions || pos_smem[stage][rows[r]] <= q_position);
             any_visible |= visible[r];
         }
         if (__any_sync(0xffffffffu, any_visible)) { // warp-uniform: masked tails cost no math

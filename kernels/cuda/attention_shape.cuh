@@ -14,13 +14,17 @@ constexpr int kAttnStages = 2;
 struct AttentionParams {
     const void *pool;
     const int32_t *block_table; // [ceil(n_tokens / block_size)]
-    const int32_t *positions;   // [n_tokens]
+    const int32_t *positions;   // [n_tokens], or null: every slot is visible (decode steps)
+    const int32_t *seq_n_tokens; // [n_q] or null. Set for a decode step over a batch of sequences:
+                                 // query i reads seq_n_tokens[i] slots through the block table at
+                                 // block_table + i * table_stride, and n_tokens is only the capacity
+    int64_t table_stride;
     int64_t block_elems;
     int64_t v_delta; // elements from a K row to its V row
     int32_t n_tokens, n_kv_heads, head_dim, block_shift;
     int32_t n_q, n_heads, group, head_tiles;
     const void *q;          // [n_q, n_heads, head_dim]
-    const int32_t *q_pos;   // [n_q]
+    const int32_t *q_pos;   // [n_q], or null with positions null
     bool q_vector;          // q is 16-byte aligned
     float scale_log2;       // scale * log2(e)
     void *out;              // [n_q, n_heads, head_dim], written when n_splits == 1
@@ -30,9 +34,21 @@ struct AttentionParams {
                             // log; attention_stats pass 1's, base 2 (of scores * log2 e)
     float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (attention_stats pass 1)
     int32_t n_splits;
-    int32_t split_tokens;   // slots per split, a multiple of the tile rows
+    int32_t split_tokens;   // slots per split, a multiple of the tile rows (with seq_n_tokens: derived per
+                            // query from its length by split_tokens_for)
     bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
 };
+
+constexpr int32_t kMinSplitTokens = 128; // below this a split's fixed cost outweighs the parallelism
+
+// Slots per split when a query's n_tokens slots are shared by n_splits splits: a multiple of
+// tile_rows, at least kMinSplitTokens (rounded up), so short sequences leave the last splits empty.
+__host__ __device__ inline int32_t split_tokens_for(int32_t n_tokens, int32_t n_splits, int32_t tile_rows) {
+    const int32_t per_split = (n_tokens + n_splits - 1) / n_splits;
+    const int32_t floor = (kMinSplitTokens + tile_rows - 1) / tile_rows * tile_rows;
+    const int32_t rounded = (per_split + tile_rows - 1) / tile_rows * tile_rows;
+    return rounded > floor ? rounded : floor;
+}
 
 // Fills AttentionParams from a layer and the queries, checking the kernels' preconditions
 // (attention.cu).

@@ -1,10 +1,11 @@
 // kv_copy.cu: moving K and V between dense tensors and paged blocks on the GPU, with RoPE on K.
 //
-// One kernel serves the three operations: a "row" is one (token, KV head) pair of head_dim
-// elements; a thread block moves kRowsPerBlock rows with one thread per 16-byte chunk of a row
-// (element-wise when a dense pointer is not 16-byte aligned). When K is rotated, the block first
-// stages its K rows in shared memory as float32, because a rotate-half pair (i, i + n_freq) usually
-// spans two chunks held by different threads. V is copied bit for bit.
+// One kernel serves every operation (writes, restores, reads, the decode step's write_last): a "row"
+// is one (token, KV head) pair of head_dim elements; a thread block moves kRowsPerBlock rows with
+// one thread per 16-byte chunk of a row (element-wise when a dense pointer is not 16-byte aligned).
+// When K is rotated, the block first stages its K rows in shared memory as float32, because a
+// rotate-half pair (i, i + n_freq) usually spans two chunks held by different threads. V is copied
+// bit for bit.
 #include "common.cuh"
 
 namespace conduit::kernels::cuda {
@@ -52,6 +53,34 @@ template <typename T> struct PagedRows {
         return out;
     }
 };
+
+// Rows of a decode step's destination: token i is sequence i's new token, in its last slot
+// (n_tokens[i] - 1), through row i of the block tables. Lengths and tables are read on the device.
+template <typename T> struct LastSlotRows {
+    T *pool;
+    const int32_t *block_tables;
+    const int32_t *n_tokens;
+    int64_t table_stride;
+    int64_t block_elems;
+    int64_t v_delta;
+    int32_t block_shift;
+    int32_t head_dim;
+
+    __device__ int64_t offset(int32_t token, int32_t head) const {
+        const int32_t slot = n_tokens[token] - 1;
+        const int64_t block = block_tables[token * table_stride + (slot >> block_shift)];
+        const int32_t t = slot & ((1 << block_shift) - 1);
+        return block * block_elems + ((int64_t(head) << block_shift) + t) * head_dim;
+    }
+    __device__ T *k_row(int32_t token, int32_t head) const { return pool + offset(token, head); }
+    __device__ T *v_row(int32_t token, int32_t head) const { return pool + offset(token, head) + v_delta; }
+    __device__ LastSlotRows at_layer(int32_t) const { return *this; }
+};
+
+__global__ void scatter_ints_kernel(int32_t *dst, const int32_t *pairs, int32_t n_pairs) {
+    const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n_pairs) dst[pairs[2 * j]] = pairs[2 * j + 1];
+}
 
 // kVec elements of T moved as one access (16 bytes when kVec = kChunk<T>).
 template <typename T, int kVec> struct alignas(sizeof(T) * kVec) Pack {
@@ -210,6 +239,30 @@ void copy_paged_layers(const LayerView &src, Slots src_slots, int64_t src_table_
 void copy_paged(const LayerView &src, Slots src_slots, const LayerView &dst, Slots dst_slots, int32_t n,
                 const Rope &rope, const int32_t *rope_pos, void *stream) {
     copy_paged_layers(src, src_slots, 0, dst, dst_slots, 0, 1, n, rope, rope_pos, stream);
+}
+
+void write_last(const BatchView &dst, const void *k, const void *v, const Rope &rope, const int32_t *rope_pos,
+                void *stream) {
+    if (dst.n_seqs <= 0) return;
+    require(dst.block_tables && dst.n_tokens, "a batch needs its block tables and lengths");
+    const LayerView layout = dst.layout();
+    dispatch_dtype(dst.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const PagedRows<T> shape = paged_rows<T>(layout, Slots{}); // checks block_size; gives the geometry
+        const LastSlotRows<T> out{shape.pool, dst.block_tables, dst.n_tokens, dst.table_stride, shape.block_elems,
+                                  shape.v_delta, shape.block_shift, dst.head_dim};
+        const DenseRows<T> in{static_cast<T *>(const_cast<void *>(k)), static_cast<T *>(const_cast<void *>(v)),
+                              dst.n_kv_heads, dst.head_dim};
+        const bool aligned = aligned16(k) && aligned16(v) && aligned16(dst.pool);
+        move_rows<T>(in, out, dst.n_seqs, layout, rope, rope_pos, aligned, stream);
+    });
+}
+
+void scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *stream) {
+    if (n_pairs <= 0) return;
+    scatter_ints_kernel<<<unsigned((n_pairs + kThreads - 1) / kThreads), kThreads, 0, as_stream(stream)>>>(dst, pairs,
+                                                                                                          n_pairs);
+    CUDA_CHECK_LAUNCH("scatter_ints_kernel");
 }
 
 void read_dense(const LayerView &src, void *k_out, void *v_out, void *stream) {

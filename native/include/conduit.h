@@ -96,6 +96,7 @@ typedef enum conduit_log_level {
 typedef struct conduit_arena conduit_arena; /* the block pool, its sequences and image store */
 typedef struct conduit_seq conduit_seq;     /* one sequence: per-layer block tables */
 typedef struct conduit_image conduit_image; /* a reference to one image-KV entry */
+typedef struct conduit_step conduit_step;   /* a decode step over a batch of sequences */
 
 /* Called for every log line. `msg` is valid during the call only. May be called from any thread
  * that calls into the library. */
@@ -359,6 +360,59 @@ CONDUIT_API conduit_status conduit_seq_restore_image(conduit_seq *seq, int32_t l
 CONDUIT_API conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
                                                       int32_t n_images, const conduit_image *const *images,
                                                       const int32_t *slots, const int32_t *rope_pos, void *stream);
+
+/* ============================================================================================ */
+/* Decode steps                                                                                 */
+/* ============================================================================================ */
+
+/* A decode step feeds one new token per sequence through the model, for a batch of up to max_seqs
+ * sequences at once. What its kernels need to know about the sequences (per layer, each one's length
+ * and block table) lives in device memory at fixed addresses, with the attention's split workspace:
+ * conduit_step_prepare updates it in place on the host side, and conduit_step_write_kv and
+ * conduit_step_attention only enqueue kernels that read it. A CUDA graph that captured those two
+ * (for every layer) therefore replays correctly at every later step, as long as each replay follows
+ * a prepare with the same number of sequences. One step:
+ *   conduit_step_prepare(step, n, seqs, positions, stream);          host work, not captured
+ *   for each layer: conduit_step_write_kv(...); conduit_step_attention(...);   capturable
+ * A step is owned by its arena: conduit_arena_free frees it too. */
+
+/* Creates a step for batches of up to max_seqs sequences that hold up to max_tokens tokens per layer
+ * (including the new token), with queries of n_heads heads. Allocates its device state (about
+ * 4 * n_layers * max_seqs * max_tokens / block_size bytes, plus the split workspace) now, so that
+ * the step kernels allocate nothing. Errors: INVALID_ARGUMENT (max_seqs outside [1, 4096],
+ * max_tokens < 1, n_heads not a positive multiple of n_kv_heads), OUT_OF_MEMORY. *out is NULL on
+ * error. */
+CONDUIT_API conduit_status conduit_step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_tokens,
+                                               int32_t n_heads, void *stream, conduit_step **out);
+
+/* Frees the step (not its sequences). NULL is a no-op. */
+CONDUIT_API void conduit_step_free(conduit_step *step);
+
+/* The host side of one step: appends a token at positions[i] (host int32 [n_seqs]) to every layer of
+ * seqs[i] (host array [n_seqs] of distinct sequences of the step's arena), as conduit_seq_append
+ * does, copying first any shared block the new slot lands in; then updates the step's device state
+ * on `stream` (one small upload and one kernel). Each position must come after every position stored
+ * in its sequence (the step's attention masks nothing), and every layer must stay within max_tokens.
+ * Errors: INVALID_ARGUMENT (n_seqs outside [1, max_seqs], a NULL, repeated or foreign sequence, a
+ * position not after the stored ones, capacity exceeded), ARENA_FULL; on error no sequence changed. */
+CONDUIT_API conduit_status conduit_step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs,
+                                                const conduit_pos *positions, void *stream);
+
+/* Writes the new tokens' K and V into one layer: k, v device [n_seqs, n_kv_heads, head_dim] (row i:
+ * sequence i of the last prepare), arena dtype; K rotated at rope_pos (device int32 [n_seqs] for
+ * NEOX, [3, n_seqs] for MROPE, or NULL: no RoPE). Enqueues one kernel; capturable. Errors:
+ * INVALID_ARGUMENT (bad layer, not prepared, NULL k or v, rope_pos without a RoPE set). */
+CONDUIT_API conduit_status conduit_step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v,
+                                                 const int32_t *rope_pos, void *stream);
+
+/* Attention of the new tokens over one layer: q device [n_seqs, n_heads, head_dim], arena dtype (row
+ * i: sequence i's query); each query sees every stored token of its own sequence, the new one
+ * included. out: device [n_seqs, n_heads, head_dim], arena dtype; lse: device float32 [n_seqs,
+ * n_heads] (natural log) or NULL. The kernel grid depends on the batch size and max_tokens only.
+ * Enqueues two kernels; capturable. Errors: INVALID_ARGUMENT (bad layer, not prepared, NULL q or
+ * out). */
+CONDUIT_API conduit_status conduit_step_attention(conduit_step *step, int32_t layer, const void *q, float scale,
+                                                  void *out, float *lse, void *stream);
 
 /* ============================================================================================ */
 /* Stateless kernels                                                                            */

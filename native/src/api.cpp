@@ -8,6 +8,7 @@
 #include "error.h"
 #include "image_store.h"
 #include "sequence.h"
+#include "step.h"
 
 using namespace conduit;
 
@@ -340,6 +341,44 @@ conduit_status conduit_image_evict(conduit_arena *arena, const uint8_t *key) {
     return guard([&] {
         REQUIRE_HANDLE(arena);
         image_evict(arena, key);
+    });
+}
+
+conduit_status conduit_step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_tokens, int32_t n_heads,
+                                   void *stream, conduit_step **out) {
+    if (out) *out = nullptr;
+    return guard([&] {
+        REQUIRE_HANDLE(arena);
+        REQUIRE_HANDLE(out);
+        *out = step_create(arena, max_seqs, max_tokens, n_heads, stream);
+    });
+}
+
+void conduit_step_free(conduit_step *step) {
+    if (step) guard([&] { step_free(step); });
+}
+
+conduit_status conduit_step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs,
+                                    const conduit_pos *positions, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(step);
+        step_prepare(step, n_seqs, seqs, positions, stream);
+    });
+}
+
+conduit_status conduit_step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v,
+                                     const int32_t *rope_pos, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(step);
+        step_write_kv(step, layer, k, v, rope_pos, stream);
+    });
+}
+
+conduit_status conduit_step_attention(conduit_step *step, int32_t layer, const void *q, float scale, void *out,
+                                      float *lse, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(step);
+        step_attention(step, layer, q, scale, out, lse, stream);
     });
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "error.h"
+#include "step.h"
 
 namespace conduit {
 
@@ -60,6 +61,7 @@ conduit_arena::conduit_arena(const conduit_arena_params &p)
 conduit_arena::~conduit_arena() {
     for (conduit_image *h : image_handles) delete h;
     image_handles.clear();
+    while (!steps.empty()) step_free(*steps.begin());
     for (conduit_seq *s : seqs) {
         for (auto &layer : s->layers) {
             layer->blocks.release(device);
@@ -131,6 +133,13 @@ kernels::LayerView conduit_arena::view(LayerTable &table, void *stream) {
     v.block_size = params.block_size;
     v.dtype = kernels::DType(params.dtype);
     return v;
+}
+
+kernels::Rope conduit_arena::rope_for(const int32_t *rope_pos) const {
+    if (!rope_pos) return kernels::Rope{};
+    CONDUIT_REQUIRE(rope.type != CONDUIT_ROPE_NONE,
+                    "RoPE positions were given but the arena has no RoPE (call conduit_arena_set_rope)");
+    return rope;
 }
 
 std::vector<const int32_t *> conduit_arena::upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,

@@ -23,7 +23,19 @@ namespace conduit {
 struct LayerTable {
     MirroredInts blocks;    // block ids, ceil(n_tokens / block_size) of them
     MirroredInts positions; // causal position of each slot (unused by image entries)
+    // The largest stored position (INT32_MIN when empty): a decode step checks that its token comes
+    // after every stored one. Kept by append_positions; rewrites of positions call refresh_max_position.
+    conduit_pos max_position = INT32_MIN;
+
     int32_t n_tokens() const { return int32_t(positions.host().size()); }
+    void append_positions(const conduit_pos *p, int32_t n) {
+        positions.host().insert(positions.host().end(), p, p + n);
+        for (int32_t i = 0; i < n; ++i) max_position = p[i] > max_position ? p[i] : max_position;
+    }
+    void refresh_max_position() {
+        max_position = INT32_MIN;
+        for (conduit_pos p : positions.host()) max_position = p > max_position ? p : max_position;
+    }
 };
 
 class BlockPool {
@@ -88,6 +100,7 @@ struct conduit_arena {
     std::set<conduit_seq *> seqs;
     std::map<std::array<uint8_t, 32>, std::unique_ptr<conduit::ImageEntry>> images;
     std::set<conduit_image *> image_handles;
+    std::set<conduit_step *> steps;
     size_t image_bytes = 0;
     int64_t image_evictions = 0;
     uint64_t clock = 0;
@@ -100,6 +113,9 @@ struct conduit_arena {
     void release_blocks(std::vector<int32_t> &blocks);
 
     conduit::kernels::LayerView view(conduit::LayerTable &table, void *stream);
+    // The RoPE a kernel applies for these positions: none for null, else the arena's (which must be
+    // set: throws INVALID_ARGUMENT otherwise).
+    conduit::kernels::Rope rope_for(const int32_t *rope_pos) const;
     // Uploads host int32 lists into one scratch allocation; returns their device addresses in order
     // (null for a null list). Valid until the next call that uses the scratch.
     std::vector<const int32_t *> upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,

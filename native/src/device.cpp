@@ -130,6 +130,30 @@ void Device::attention_stats(const kc::LayerView &kv, int32_t n_q, int32_t n_hea
     CONDUIT_DISPATCH(attention_stats(kv, n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, stream));
 }
 
+void Device::write_last(const kc::BatchView &dst, const void *k, const void *v, const kc::Rope &rope,
+                        const int32_t *rope_pos, void *stream) const {
+    CONDUIT_DISPATCH(write_last(dst, k, v, rope, rope_pos, stream));
+}
+
+void Device::batch_attention(const kc::BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,
+                             float *lse, void *workspace, size_t workspace_bytes, void *stream) const {
+    CONDUIT_DISPATCH(batch_attention(kv, n_heads, q, scale, out, lse, workspace, workspace_bytes, stream));
+}
+
+size_t Device::batch_attention_workspace_bytes(const kc::BatchView &kv, int32_t n_heads) const {
+#ifdef CONDUIT_WITH_CUDA
+    if (is_cuda()) {
+        activate(); // the split plan reads the device's SM count
+        return kc::cuda::batch_attention_workspace_bytes(kv, n_heads);
+    }
+#endif
+    return kc::cpu::batch_attention_workspace_bytes(kv, n_heads);
+}
+
+void Device::scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *stream) const {
+    CONDUIT_DISPATCH(scatter_ints(dst, pairs, n_pairs, stream));
+}
+
 size_t Device::topk_workspace_bytes(int32_t n) const {
 #ifdef CONDUIT_WITH_CUDA
     if (is_cuda()) return kc::cuda::topk_workspace_bytes(n);

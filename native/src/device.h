@@ -38,6 +38,12 @@ class Device {
     void attention_stats(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
                          const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
                          void *stream) const;
+    void write_last(const kernels::BatchView &dst, const void *k, const void *v, const kernels::Rope &rope,
+                    const int32_t *rope_pos, void *stream) const;
+    void batch_attention(const kernels::BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,
+                         float *lse, void *workspace, size_t workspace_bytes, void *stream) const;
+    size_t batch_attention_workspace_bytes(const kernels::BatchView &kv, int32_t n_heads) const;
+    void scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *stream) const;
     size_t topk_workspace_bytes(int32_t n) const;
     void topk(const float *scores, int32_t n, int32_t k, void *indices, bool indices_i64, void *workspace,
               size_t workspace_bytes, void *stream) const;
@@ -64,6 +70,12 @@ class MirroredInts {
     const std::vector<int32_t> &host() const { return host_; }
     // Call after changing host()[i:]: the device copy is refreshed from i on at the next sync.
     void touched_from(size_t i) { synced_ = synced_ < i ? synced_ : i; }
+    // Shrinks to n entries. (Shrinking through host() would leave the sync mark past the end, and a
+    // later regrowth would not be uploaded.)
+    void truncate(size_t n) {
+        if (n < host_.size()) host_.resize(n);
+        touched_from(n);
+    }
     const int32_t *sync(const Device &device, void *stream);
     void release(const Device &device);
 

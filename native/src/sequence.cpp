@@ -67,13 +67,6 @@ void check_slots(const LayerTable &t, const int32_t *slots, int32_t n) {
     }
 }
 
-kernels::Rope rope_for(conduit_arena *arena, const int32_t *rope_pos) {
-    if (!rope_pos) return kernels::Rope{};
-    CONDUIT_REQUIRE(arena->rope.type != CONDUIT_ROPE_NONE,
-                    "RoPE positions were given but the arena has no RoPE (call conduit_arena_set_rope)");
-    return arena->rope;
-}
-
 // Prepares the destination of a write of n tokens: checks the slots, resolves copy-on-write, uploads
 // the slot list. Throws before changing anything.
 kernels::Slots prepare_write(conduit_seq *seq, LayerTable &t, int32_t n, const int32_t *slots, void *stream) {
@@ -123,10 +116,11 @@ void compact_layer(conduit_seq *seq, LayerTable &t, const int32_t *keep, int32_t
         positions.swap(kept_positions);
         t.positions.touched_from(0);
     } else {
-        positions.resize(size_t(m));
+        t.positions.truncate(size_t(m));
     }
+    t.refresh_max_position();
     std::vector<int32_t> tail(blocks.begin() + new_nb, blocks.end());
-    blocks.resize(size_t(new_nb));
+    t.blocks.truncate(size_t(new_nb));
     arena->release_blocks(tail);
 }
 
@@ -173,6 +167,7 @@ conduit_seq *seq_fork(conduit_seq *seq, void *stream) {
         const LayerTable &src = *seq->layers[l];
         LayerTable &dst = *child->layers[l];
         dst.positions.host() = src.positions.host();
+        dst.max_position = src.max_position;
         dst.blocks.host() = src.blocks.host();
         const int64_t n_full = src.n_tokens() / bs;
         for (int64_t bi = 0; bi < n_full; ++bi) arena->pool.retain(src.blocks.host()[size_t(bi)]);
@@ -204,7 +199,43 @@ void seq_append(conduit_seq *seq, const conduit_pos *positions, int32_t n) {
             blocks.push_back(fresh.back());
             fresh.pop_back();
         }
-        layer->positions.host().insert(layer->positions.host().end(), positions, positions + n);
+        layer->append_positions(positions, n);
+    }
+}
+
+void seqs_append_step(conduit_seq *const *seqs, const conduit_pos *positions, int32_t n, int32_t max_tokens,
+                      void *stream) {
+    conduit_arena *arena = seqs[0]->arena;
+    const int32_t bs = arena->params.block_size;
+    // A layer needs a block when its new token starts one, or when the partial block it lands in is
+    // shared (a fork's or a truncated tail's): that block is copied first.
+    auto needs_block = [&](const LayerTable &t) {
+        return t.n_tokens() % bs == 0 || arena->pool.refcount(t.blocks.host().back()) > 1;
+    };
+    int64_t need = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        for (size_t l = 0; l < seqs[i]->layers.size(); ++l) {
+            const LayerTable &t = *seqs[i]->layers[l];
+            CONDUIT_REQUIRE(t.n_tokens() < max_tokens, "sequence %d: layer %zu holds %d tokens, the step's capacity is %d",
+                            i, l, t.n_tokens(), max_tokens);
+            CONDUIT_REQUIRE(positions[i] > t.max_position,
+                            "sequence %d: position %d is not after every stored token (layer %zu holds position %d)", i,
+                            positions[i], l, t.max_position);
+            need += needs_block(t);
+        }
+    }
+    std::vector<int32_t> fresh = arena->take_blocks(need); // the last step that can fail
+    for (int32_t i = 0; i < n; ++i) {
+        for (auto &layer : seqs[i]->layers) {
+            LayerTable &t = *layer;
+            if (t.n_tokens() % bs == 0) {
+                t.blocks.host().push_back(fresh.back());
+                fresh.pop_back();
+            } else {
+                make_exclusive(arena, t, {int64_t(t.blocks.host().size()) - 1}, fresh, true, stream);
+            }
+            t.append_positions(&positions[i], 1);
+        }
     }
 }
 
@@ -247,7 +278,7 @@ void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, con
     LayerTable &t = layer_of(seq, layer);
     if (n == 0) return;
     CONDUIT_REQUIRE(k && v, "k and v must not be NULL");
-    const kernels::Rope rope = rope_for(seq->arena, rope_pos);
+    const kernels::Rope rope = seq->arena->rope_for(rope_pos);
     const kernels::Slots dst_slots = prepare_write(seq, t, n, slots, stream);
     seq->arena->device.write_dense(seq->arena->view(t, stream), dst_slots, n, k, v, rope, rope_pos, stream);
 }
@@ -268,7 +299,7 @@ void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
     CONDUIT_REQUIRE(n_total <= INT32_MAX, "%lld tokens in one restore", (long long)n_total);
     const int32_t n = int32_t(n_total);
     if (n == 0 || n_layers == 0) return;
-    const kernels::Rope rope = rope_for(arena, rope_pos);
+    const kernels::Rope rope = arena->rope_for(rope_pos);
 
     // Check every layer before changing any. The slot list is shared by the layers: checking it against
     // the layer with the fewest tokens covers them all.

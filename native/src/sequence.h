@@ -10,6 +10,12 @@ conduit_seq *seq_create(conduit_arena *arena);
 void seq_free(conduit_seq *seq);
 conduit_seq *seq_fork(conduit_seq *seq, void *stream);
 void seq_append(conduit_seq *seq, const conduit_pos *positions, int32_t n);
+// Appends one token to each of n sequences (positions[i] to seqs[i], every layer), each new slot in a
+// block the sequence owns alone, so that a decode step can write it without copy-on-write. Checks
+// that every layer stays within max_tokens and that each position comes after every stored one.
+// All or nothing: on error no sequence changed.
+void seqs_append_step(conduit_seq *const *seqs, const conduit_pos *positions, int32_t n, int32_t max_tokens,
+                      void *stream);
 void seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream);
 void seq_compact(conduit_seq *seq, int32_t layer, const int32_t *keep, int32_t n_keep, void *stream);
 void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, const void *v, const int32_t *slots,

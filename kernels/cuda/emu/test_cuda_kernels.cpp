@@ -336,6 +336,96 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
     expect(std::memcmp(vc_out.data() + off, v_only.data() + off, dense) == 0, std::string(name) + " read_dense v only");
 }
 
+// A decode step over a batch of sequences that share one pool: write_last (with and without RoPE)
+// then batch_attention, CUDA against the CPU. Sequence i's block table is row i of a [n_seqs,
+// stride] table of shuffled blocks and it holds n_tokens[i] tokens; every slot the kernels must not
+// read (past a sequence's length) holds NaN. The split plan depends on the capacity only, so a
+// capacity far above the lengths checks the empty splits too.
+void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, int max_tokens, int rope_type) {
+    const int n_heads = hk * group, stride = (max_tokens + bs - 1) / bs;
+    const size_t es = kc::dtype_size(dtype);
+    kc::BatchView view;
+    view.n_seqs = n_seqs;
+    view.max_tokens = max_tokens;
+    view.n_kv_heads = hk;
+    view.head_dim = d;
+    view.block_size = bs;
+    view.dtype = dtype;
+    view.table_stride = stride;
+    Buf<int32_t> lengths, tables(size_t(n_seqs) * stride, 0);
+    int total_blocks = 1;
+    for (int i = 0; i < n_seqs; ++i) {
+        lengths.push_back(randint(1, i == 0 ? max_tokens : std::min(max_tokens, 300))); // the new token included
+        total_blocks += (lengths.back() + bs - 1) / bs;
+    }
+    Buf<int32_t> ids(static_cast<size_t>(total_blocks));
+    for (int b = 0; b < total_blocks; ++b) ids[size_t(b)] = b;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const int64_t block_elems = int64_t(2) * hk * bs * d;
+    Buf<unsigned char> cpu_pool(size_t(block_elems * total_blocks) * es + 64, 0xff);
+    for (int i = 0, next = 0; i < n_seqs; ++i) {
+        kc::LayerView layer = view.layout();
+        layer.pool = cpu_pool.data();
+        layer.block_table = tables.data() + size_t(i) * stride;
+        for (int b = 0; b < (lengths[size_t(i)] + bs - 1) / bs; ++b) tables[size_t(i) * stride + b] = ids[size_t(next++)];
+        for (int s = 0; s < lengths[size_t(i)] - 1; ++s) // all but the new token, which write_last writes
+            for (int h = 0; h < hk; ++h)
+                for (int e = 0; e < d; ++e) {
+                    kc::cpu::store(cpu_pool.data(), kc::cpu::k_offset(layer, s, h) + e, uniform(-1, 1), dtype);
+                    kc::cpu::store(cpu_pool.data(), kc::cpu::k_offset(layer, s, h) + kc::cpu::v_delta(layer) + e,
+                                   uniform(-1, 1), dtype);
+                }
+    }
+    Buf<unsigned char> gpu_pool = cpu_pool;
+    view.block_tables = tables.data();
+    view.n_tokens = lengths.data();
+    kc::BatchView cpu_view = view, gpu_view = view;
+    cpu_view.pool = cpu_pool.data();
+    gpu_view.pool = gpu_pool.data();
+
+    const int n_freq = rope_type ? randint(1, d / 2) : 0;
+    Buf<float> inv_freq;
+    for (int i = 0; i < n_freq; ++i) inv_freq.push_back(std::pow(10000.0f, -float(i) / float(std::max(n_freq, 1))));
+    kc::Rope rope;
+    rope.type = rope_type;
+    rope.n_freq = n_freq;
+    rope.inv_freq = inv_freq.data();
+    if (rope_type == 2) {
+        rope.sections[0] = n_freq / 2;
+        rope.sections[1] = n_freq / 4;
+        rope.sections[2] = n_freq - rope.sections[0] - rope.sections[1];
+    }
+    Buf<int32_t> rope_pos;
+    for (int i = 0; i < 3 * n_seqs; ++i) rope_pos.push_back(randint(0, 5000));
+    const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
+    Buf<unsigned char> k = random_dense(dtype, int64_t(n_seqs) * hk * d), v = random_dense(dtype, int64_t(n_seqs) * hk * d);
+    char name[200];
+    std::snprintf(name, sizeof name, "step %s hk=%d group=%d d=%d bs=%d n_seqs=%d max_tokens=%d rope=%d",
+                  dtype_name(dtype), hk, group, d, bs, n_seqs, max_tokens, rope_type);
+    kc::cpu::write_last(cpu_view, k.data(), v.data(), rope, rp, nullptr);
+    kc::cuda::write_last(gpu_view, k.data(), v.data(), rope, rp, nullptr);
+    device_sync();
+    expect(same_values(cpu_pool, gpu_pool, cpu_pool.size(), dtype), std::string(name) + " write_last");
+
+    gpu_pool = cpu_pool; // attention over the same bits on both sides
+    Buf<unsigned char> q = random_dense(dtype, int64_t(n_seqs) * n_heads * d, 2.0f);
+    const size_t out_elems = size_t(n_seqs) * n_heads * d;
+    Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff);
+    Buf<float> lse_cpu(size_t(n_seqs) * n_heads), lse_gpu(size_t(n_seqs) * n_heads, 123.0f);
+    Buf<unsigned char> workspace(kc::cuda::batch_attention_workspace_bytes(gpu_view, n_heads) + 16);
+    const float scale = 1.0f / std::sqrt(float(d));
+    kc::cpu::batch_attention(cpu_view, n_heads, q.data(), scale, out_cpu.data(), lse_cpu.data(), nullptr, 0, nullptr);
+    kc::cuda::batch_attention(gpu_view, n_heads, q.data(), scale, out_gpu.data(), lse_gpu.data(), workspace.data(),
+                              workspace.size(), nullptr);
+    device_sync();
+    int bad = 0;
+    for (size_t i = 0; i < out_elems; ++i)
+        bad += !close(kc::cpu::load(out_gpu.data(), int64_t(i), dtype), kc::cpu::load(out_cpu.data(), int64_t(i), dtype),
+                      2e-3f, out_rtol(dtype));
+    for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
+    expect(bad == 0, std::string(name) + " batch_attention mismatches=" + std::to_string(bad));
+}
+
 // Top-k: the CUDA radix select against the CPU nth_element (same order key, same tie rule), both
 // writing int32 and int64, with one workspace reused across calls (it must come back zeroed).
 void test_topk(int n, int k, const std::string &kind, Buf<unsigned char> &workspace) {
@@ -440,6 +530,14 @@ int main() {
     }
     test_stats(kc::DType::BF16, 8, 1, 128, 16, 301, 12, 1.0f, true);
     test_stats(kc::DType::F32, 2, 3, 80, 4, 300, 67, 1.0f, false);
+    for (kc::DType t : dtypes)
+        for (int d : {64, 128}) {
+            test_step(t, 2, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(1, 5), randint(1, 700), randint(0, 2));
+            test_step(t, 1, 4, d, 16, 1, 2048 + randint(0, 100), randint(0, 1)); // one long sequence, many splits
+        }
+    test_step(kc::DType::BF16, 8, 4, 128, 16, 16, 400, 1); // the bench's batch shape, small
+    test_step(kc::DType::F32, 1, 1, 8, 1, 3, 5, 2);
+    std::printf("step: %d checks, %d failures\n", checks, failures);
     test_topk_grid();
     std::printf("topk: %d checks, %d failures\n", checks, failures);
     std::printf("total: %d checks, %d failures\n", checks, failures);

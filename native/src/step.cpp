@@ -1,0 +1,152 @@
+// step.cpp: decode steps over a batch of sequences, with their device state at fixed addresses.
+#include "step.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "error.h"
+#include "sequence.h"
+
+using namespace conduit;
+
+int64_t conduit_step::tables_ints() const {
+    return int64_t(arena->params.n_layers) * max_seqs * table_stride;
+}
+
+kernels::BatchView conduit_step::layer_view(int32_t layer) const {
+    const conduit_arena_params &p = arena->params;
+    kernels::BatchView v;
+    v.pool = arena->pool_memory;
+    v.block_tables = state + int64_t(layer) * max_seqs * table_stride;
+    v.n_tokens = state + tables_ints() + int64_t(layer) * max_seqs;
+    v.table_stride = table_stride;
+    v.n_seqs = n_seqs;
+    v.max_tokens = max_tokens;
+    v.n_kv_heads = p.n_kv_heads;
+    v.head_dim = p.head_dim;
+    v.block_size = p.block_size;
+    v.dtype = kernels::DType(p.dtype);
+    return v;
+}
+
+namespace conduit {
+namespace {
+
+// Appends to `pairs` an (index, value) patch for each entry of `want` that differs from the mirror at
+// `offset`, and updates the mirror. Rows are compared with memcmp first: most are unchanged.
+void diff_into(std::vector<int32_t> &mirror, int64_t offset, const int32_t *want, size_t n,
+               std::vector<int32_t> &pairs) {
+    int32_t *have = mirror.data() + offset;
+    if (n == 0 || std::memcmp(have, want, n * sizeof(int32_t)) == 0) return;
+    for (size_t j = size_t(std::mismatch(have, have + n, want).first - have); j < n; ++j) {
+        if (have[j] == want[j]) continue;
+        pairs.push_back(int32_t(offset + int64_t(j)));
+        pairs.push_back(want[j]);
+        have[j] = want[j];
+    }
+}
+
+} // namespace
+
+conduit_step *step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_tokens, int32_t n_heads, void *stream) {
+    const conduit_arena_params &p = arena->params;
+    CONDUIT_REQUIRE(max_seqs >= 1 && max_seqs <= 4096, "max_seqs = %d out of range [1, 4096]", max_seqs);
+    CONDUIT_REQUIRE(max_tokens >= 1, "max_tokens = %d must be >= 1", max_tokens);
+    CONDUIT_REQUIRE(n_heads > 0 && n_heads % p.n_kv_heads == 0,
+                    "n_heads = %d is not a positive multiple of n_kv_heads = %d", n_heads, p.n_kv_heads);
+    auto step = std::make_unique<conduit_step>();
+    step->arena = arena;
+    step->max_seqs = max_seqs;
+    step->max_tokens = max_tokens;
+    step->n_heads = n_heads;
+    step->table_stride = (max_tokens + p.block_size - 1) / p.block_size;
+    const int64_t total = step->tables_ints() + int64_t(p.n_layers) * max_seqs;
+    CONDUIT_REQUIRE(total < INT32_MAX, "a step of %d sequences x %d tokens x %d layers is too large", max_seqs,
+                    max_tokens, p.n_layers);
+    step->mirror.assign(size_t(total), 0);
+    // The split plan of fewer sequences has more splits: size the workspace for the largest need.
+    kernels::BatchView shape = step->layer_view(0);
+    for (int32_t n = 1; n <= max_seqs; ++n) {
+        shape.n_seqs = n;
+        step->workspace_bytes = std::max(step->workspace_bytes, arena->device.batch_attention_workspace_bytes(shape, n_heads));
+    }
+    step->state = static_cast<int32_t *>(arena->device.alloc(size_t(total) * sizeof(int32_t)));
+    try {
+        step->workspace = step->workspace_bytes ? arena->device.alloc(step->workspace_bytes) : nullptr;
+        arena->device.upload(step->state, step->mirror.data(), size_t(total) * sizeof(int32_t), stream);
+    } catch (...) {
+        arena->device.free(step->workspace);
+        arena->device.free(step->state);
+        throw;
+    }
+    conduit_step *raw = step.release();
+    arena->steps.insert(raw);
+    return raw;
+}
+
+void step_free(conduit_step *step) {
+    conduit_arena *arena = step->arena;
+    arena->device.free(step->workspace);
+    arena->device.free(step->state);
+    arena->steps.erase(step);
+    delete step;
+}
+
+void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, const conduit_pos *positions,
+                  void *stream) {
+    CONDUIT_REQUIRE(n_seqs >= 1 && n_seqs <= step->max_seqs, "n_seqs = %d out of range [1, %d]", n_seqs,
+                    step->max_seqs);
+    CONDUIT_REQUIRE(seqs && positions, "seqs and positions must not be NULL");
+    std::set<const conduit_seq *> distinct;
+    for (int32_t i = 0; i < n_seqs; ++i) {
+        CONDUIT_REQUIRE(seqs[i] != nullptr, "sequence %d is NULL", i);
+        CONDUIT_REQUIRE(seqs[i]->arena == step->arena, "sequence %d belongs to another arena", i);
+        CONDUIT_REQUIRE(distinct.insert(seqs[i]).second, "sequence %d is given twice", i);
+    }
+    seqs_append_step(seqs, positions, n_seqs, step->max_tokens, stream);
+
+    // Patch the device mirror: the rows that changed (a new block, a copy-on-write, a compaction
+    // between steps) and every length.
+    std::vector<int32_t> pairs;
+    const int32_t n_layers = step->arena->params.n_layers;
+    for (int32_t l = 0; l < n_layers; ++l) {
+        for (int32_t i = 0; i < n_seqs; ++i) {
+            const LayerTable &t = *seqs[i]->layers[size_t(l)];
+            const int64_t row = (int64_t(l) * step->max_seqs + i) * step->table_stride;
+            diff_into(step->mirror, row, t.blocks.host().data(), t.blocks.host().size(), pairs);
+            const int32_t length = t.n_tokens();
+            diff_into(step->mirror, step->tables_ints() + int64_t(l) * step->max_seqs + i, &length, 1, pairs);
+        }
+    }
+    if (!pairs.empty()) {
+        const int32_t n_pairs = int32_t(pairs.size() / 2);
+        const int32_t *device_pairs = step->arena->upload_ints({{pairs.data(), int32_t(pairs.size())}}, 0, nullptr,
+                                                               stream)[0];
+        step->arena->device.scatter_ints(step->state, device_pairs, n_pairs, stream);
+    }
+    step->n_seqs = n_seqs;
+}
+
+void step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v, const int32_t *rope_pos,
+                   void *stream) {
+    conduit_arena *arena = step->arena;
+    CONDUIT_REQUIRE(layer >= 0 && layer < arena->params.n_layers, "layer %d out of range [0, %d)", layer,
+                    arena->params.n_layers);
+    CONDUIT_REQUIRE(step->n_seqs > 0, "the step was not prepared (call conduit_step_prepare first)");
+    CONDUIT_REQUIRE(k && v, "k and v must not be NULL");
+    arena->device.write_last(step->layer_view(layer), k, v, arena->rope_for(rope_pos), rope_pos, stream);
+}
+
+void step_attention(conduit_step *step, int32_t layer, const void *q, float scale, void *out, float *lse,
+                    void *stream) {
+    conduit_arena *arena = step->arena;
+    CONDUIT_REQUIRE(layer >= 0 && layer < arena->params.n_layers, "layer %d out of range [0, %d)", layer,
+                    arena->params.n_layers);
+    CONDUIT_REQUIRE(step->n_seqs > 0, "the step was not prepared (call conduit_step_prepare first)");
+    CONDUIT_REQUIRE(q && out, "q and out must not be NULL");
+    arena->device.batch_attention(step->layer_view(layer), step->n_heads, q, scale, out, lse, step->workspace,
+                                  step->workspace_bytes, stream);
+}
+
+} // namespace conduit

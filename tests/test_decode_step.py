@@ -1,0 +1,173 @@
+"""Decode steps over a batch of sequences (conduit_step_*): the graph-capturable decode path.
+
+Several steps over sequences of different lengths, one forked (its new tokens land in blocks shared
+copy-on-write), one compacted between steps (its block table changes under the step's mirror):
+the written K (rotated) and V, and the attention output and log-sum-exp, are checked against
+float64 torch references over what the sequences hold. Bad arguments raise typed errors and change
+nothing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conduit_rt.arena import KVArena
+from conduit_rt.errors import ArenaFullError, InvalidArgumentError
+
+from . import reference
+from .conftest import DEVICES
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+N_LAYERS, N_KV, GROUP, HEAD_DIM, BLOCK = 2, 2, 3, 64, 8
+N_HEADS = N_KV * GROUP
+SECTIONS = (8, 12, 12)
+SCALE = HEAD_DIM**-0.5
+
+
+def make_arena(device: str, dtype: torch.dtype, kind: str = "neox", kv_bytes: int = 4 << 20) -> KVArena:
+    arena = KVArena(n_layers=N_LAYERS, n_kv_heads=N_KV, head_dim=HEAD_DIM, dtype=dtype, device=device,
+                    block_size=BLOCK, kv_bytes=kv_bytes)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    arena.set_rope(inv_freq, kind, sections=SECTIONS if kind == "mrope" else (0, 0, 0))
+    arena.inv_freq = inv_freq  # kept for the reference
+    return arena
+
+
+def filled(arena: KVArena, n: int, gen: torch.Generator):
+    """A sequence of n tokens at positions 0..n-1, every layer written with random K, V."""
+    seq = arena.new_sequence()
+    seq.append(range(n))
+    for layer in range(N_LAYERS):
+        k, v = (torch.randn(n, N_KV, HEAD_DIM, generator=gen).to(arena.dtype).to(arena.device) for _ in range(2))
+        seq.write_kv(layer, k, v)
+    return seq
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["neox", "mrope"])
+def test_steps_match_reference(device: str, dtype: torch.dtype, kind: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    arena = make_arena(device, dtype, kind)
+    parent = filled(arena, 21, gen)
+    seqs = [filled(arena, 5, gen), parent.fork(), filled(arena, 16, gen)]  # mid-block, shared blocks, full block
+    step = arena.new_step(max_seqs=4, max_tokens=64, n_heads=N_HEADS)
+    n = len(seqs)
+    for t in range(11):
+        if t == 4:  # compaction between steps: the step must notice the new block table
+            seqs[2].compact(0, [s for s in range(seqs[2].n_tokens(0)) if s % 3 != 1])
+        positions = [100 + 10 * t + i for i in range(n)]
+        step.prepare(seqs, positions)
+        rope_shape = (n,) if kind == "neox" else (3, n)
+        rope_pos = torch.randint(0, 3000, rope_shape, generator=gen, dtype=torch.int32)
+        for layer in range(N_LAYERS):
+            k, v = (torch.randn(n, N_KV, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+            q = torch.randn(n, N_HEADS, HEAD_DIM, generator=gen).to(dtype)
+            step.write_kv(layer, k.to(device), v.to(device), rope_pos=rope_pos.to(device))
+            out, lse = step.attention(layer, q.to(device), None, SCALE, return_lse=True)
+            for i, seq in enumerate(seqs):
+                stored_k, stored_v = (x.cpu() for x in seq.read_kv(layer))
+                want_k = reference.rope(k[i:i + 1], rope_pos[..., i:i + 1], arena.inv_freq,
+                                        SECTIONS if kind == "mrope" else None)
+                torch.testing.assert_close(stored_k[-1:].double(), want_k, atol=TOL[dtype], rtol=TOL[dtype])
+                assert torch.equal(stored_v[-1], v[i])
+                k_pos = seq.positions(layer)
+                want_out, want_lse = reference.attention(q[i:i + 1], stored_k, stored_v,
+                                                         torch.tensor([positions[i]]), k_pos, SCALE)
+                torch.testing.assert_close(out[i:i + 1].cpu().double(), want_out, atol=TOL[dtype], rtol=TOL[dtype])
+                torch.testing.assert_close(lse[i:i + 1].cpu().double(), want_lse, atol=1e-4, rtol=1e-4)
+    assert parent.n_tokens(0) == 21  # the fork's appends never reached the parent
+    for layer in range(N_LAYERS):
+        assert seqs[1].n_tokens(layer) == 21 + 11
+    arena.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_sequence_uses_every_split(device: str) -> None:
+    """One sequence far longer than a split, in a step of large capacity, next to a short one."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    arena = make_arena(device, dtype, kv_bytes=64 << 20)
+    seqs = [filled(arena, 3000, gen), filled(arena, 2, gen)]
+    step = arena.new_step(max_seqs=2, max_tokens=8192, n_heads=N_HEADS)
+    step.prepare(seqs, [5000, 5000])
+    layer = 1
+    k, v = (torch.randn(2, N_KV, HEAD_DIM, generator=gen).to(dtype).to(device) for _ in range(2))
+    step.write_kv(layer, k, v)  # no RoPE
+    q = torch.randn(2, N_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = step.attention(layer, q.to(device), None, SCALE)
+    for i, seq in enumerate(seqs):
+        stored_k, stored_v = (x.cpu() for x in seq.read_kv(layer))
+        assert torch.equal(stored_k[-1], k[i].cpu())
+        want, _ = reference.attention(q[i:i + 1], stored_k, stored_v, torch.tensor([5000]), seq.positions(layer), SCALE)
+        torch.testing.assert_close(out[i:i + 1].cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_bad_arguments_change_nothing() -> None:
+    gen = torch.Generator().manual_seed(1)
+    arena = make_arena("cpu", torch.float32)
+    a, b = filled(arena, 9, gen), filled(arena, 4, gen)
+    step = arena.new_step(max_seqs=2, max_tokens=12, n_heads=N_HEADS)
+    k = torch.randn(1, N_KV, HEAD_DIM)
+    with pytest.raises(InvalidArgumentError, match="not prepared"):
+        step.write_kv(0, k, k)
+    cases = [
+        (([a], [8]), "not after every stored token"),  # position 8 is stored already
+        (([a, a], [20, 21]), "given twice"),
+        (([a, b, b], [20, 21, 22]), "out of range"),  # more than max_seqs
+        (([a], [20, 21]), "2 positions given for 1 sequences"),
+    ]
+    for (seqs, positions), message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            step.prepare(seqs, positions)
+    other = make_arena("cpu", torch.float32)
+    with pytest.raises(InvalidArgumentError, match="another arena"):
+        step.prepare([filled(other, 2, gen)], [5])
+    for _ in range(3):
+        step.prepare([a], [a.n_tokens(0) + 100])
+    with pytest.raises(InvalidArgumentError, match="capacity"):  # a would hold 13 > 12 tokens
+        step.prepare([a, b], [500, 500])
+    assert (a.n_tokens(0), b.n_tokens(0)) == (12, 4)  # nothing changed, b included
+    with pytest.raises(InvalidArgumentError, match="slots must be None"):
+        step.write_kv(0, k, k, slots=[0])
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        step.attention(0, torch.randn(2, N_HEADS, HEAD_DIM), None, SCALE)
+    with pytest.raises(InvalidArgumentError, match="multiple of n_kv_heads"):
+        arena.new_step(max_seqs=1, max_tokens=8, n_heads=N_KV + 1)
+    step.prepare([b], [50])  # still usable
+    step.write_kv(1, k, k)
+    assert b.n_tokens(1) == 5
+    step.free()
+    step.free()  # twice is a no-op
+    arena.close()  # frees any step left; must not crash
+
+
+def test_arena_full_changes_nothing() -> None:
+    gen = torch.Generator().manual_seed(2)
+    block_bytes = 2 * N_KV * BLOCK * HEAD_DIM * 4
+    arena = make_arena("cpu", torch.float32, kv_bytes=block_bytes * N_LAYERS * 3)
+    a, b = filled(arena, BLOCK, gen), filled(arena, BLOCK, gen)  # 2 of the 3 blocks per layer, both full
+    step = arena.new_step(max_seqs=2, max_tokens=64, n_heads=N_HEADS)
+    with pytest.raises(ArenaFullError):
+        step.prepare([a, b], [100, 100])  # each needs a new block in each layer: 4 blocks, 2 free
+    assert (a.n_tokens(0), b.n_tokens(0), arena.stats().n_blocks_free) == (BLOCK, BLOCK, N_LAYERS)
+    step.prepare([a], [100])
+    assert a.n_tokens(1) == BLOCK + 1
+    arena.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_regrowth_after_compaction_reaches_the_device(device: str) -> None:
+    """A layer compacted to a prefix (block table shrunk) and grown again must point its kernels at
+    the new blocks, not at the freed ones that another sequence then takes."""
+    gen = torch.Generator().manual_seed(5)
+    arena = make_arena(device, torch.float32)
+    a = filled(arena, 5 * BLOCK, gen)
+    a.compact(0, range(BLOCK))  # a prefix: blocks 1..4 of layer 0 are freed, no data moves
+    a.append(range(100, 100 + 2 * BLOCK))
+    k, v = (torch.randn(2 * BLOCK, N_KV, HEAD_DIM, generator=gen).to(device) for _ in range(2))
+    a.write_kv(0, k, v)
+    b = filled(arena, 6 * BLOCK, gen)  # takes the freed blocks and writes them
+    stored_k, stored_v = a.read_kv(0)
+    assert torch.equal(stored_k[BLOCK:].cpu(), k.cpu()) and torch.equal(stored_v[BLOCK:].cpu(), v.cpu())
+    assert b.n_tokens(0) == 6 * BLOCK
