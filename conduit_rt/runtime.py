@@ -23,6 +23,7 @@ import torch
 
 from . import native
 from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
+from .decode_graph import GraphedDecoder
 from .errors import ArenaFullError, RequestError
 from .image_cache import EmbeddingCache, ImageKVStore
 from .models.base import ForwardBatch, PreparedImage
@@ -123,11 +124,13 @@ class Runtime:
         image_cache_bytes: the image-KV store's LRU budget inside the arena (default: a quarter of
             it); the embedding cache gets a sixteenth of this on top.
         prefix_cache_entries: recent sequences kept for exact-prefix reuse across requests.
+        cuda_graphs: on a CUDA device, replay each decode step from a captured CUDA graph
+            (``decode_graph.GraphedDecoder``) instead of launching it from Python.
     """
 
     def __init__(self, model_path: str | Path, mmproj: str | Path | None = None, device: str | torch.device = "auto",
                  dtype: torch.dtype | None = None, kv_cache_bytes: int | None = None,
-                 image_cache_bytes: int | None = None, prefix_cache_entries: int = 4) -> None:
+                 image_cache_bytes: int | None = None, prefix_cache_entries: int = 4, cuda_graphs: bool = True) -> None:
         from .models import load_model
 
         self.device = resolve_device(device)
@@ -136,22 +139,22 @@ class Runtime:
         if mmproj is None and (model_path.parent / "mmproj.gguf").is_file():
             mmproj = model_path.parent / "mmproj.gguf"
         self._attach(load_model(model_path, mmproj, self.device, self.dtype), kv_cache_bytes, image_cache_bytes,
-                     prefix_cache_entries)
+                     prefix_cache_entries, cuda_graphs)
         logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
                     self.arena.kv_bytes / 2**20)
 
     @classmethod
     def from_model(cls, model, kv_cache_bytes: int | None = None, image_cache_bytes: int | None = None,
-                   prefix_cache_entries: int = 4) -> "Runtime":
+                   prefix_cache_entries: int = 4, cuda_graphs: bool = True) -> "Runtime":
         """A Runtime over an already-built model (no files read; benchmarks build one with random
         weights): its device and dtype are the model's; the other arguments are as in ``__init__``."""
         runtime = cls.__new__(cls)
         runtime.device, runtime.dtype = model.device, model.dtype
-        runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries)
+        runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs)
         return runtime
 
     def _attach(self, model, kv_cache_bytes: int | None, image_cache_bytes: int | None,
-                prefix_cache_entries: int) -> None:
+                prefix_cache_entries: int, cuda_graphs: bool) -> None:
         """Takes the model, sizes the KV arena and creates the caches over it."""
         self.model = model
         self.assets = self.model.assets  # tokenizer, chat template, preprocessing, ids
@@ -161,6 +164,7 @@ class Runtime:
         self.image_kv = ImageKVStore(self.arena)
         self.embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
         self.prefix_cache = PrefixCache(prefix_cache_entries)
+        self.graphed_decoder = GraphedDecoder(model, self.arena) if cuda_graphs and self.device.type == "cuda" else None
 
     def _kv_bytes(self, requested: int | None) -> int:
         if requested is not None:
@@ -438,7 +442,10 @@ class Runtime:
                                        logits=torch.stack(step_logits) if return_logits and step_logits else None))
 
     def _step(self, seq, token: int, position: int, rope_position: int, capture=None) -> torch.Tensor:
-        """One decode step: the token at causal ``position`` -> next-token logits [vocab]."""
+        """One decode step: the token at causal ``position`` -> next-token logits [vocab]. Replayed
+        from a CUDA graph when there is one and no layer observer needs the eager path."""
+        if self.graphed_decoder is not None and capture is None:
+            return self.graphed_decoder.step(seq, token, position, rope_position)
         positions = torch.tensor([position], dtype=torch.int32, device=self.device)
         seq.append([position])
         embeds = self.model.embed_tokens(torch.tensor([token], dtype=torch.long, device=self.device))

@@ -391,3 +391,12 @@ def test_bf16_cuda_runtime_first_logits_track_transformers(checkpoint, hf):
     hf_error = (ref["bf16_logits"][-1] - expected).abs().max().item()
     our_error = (result.logits[0] - expected).abs().max().item()
     assert our_error <= 2 * hf_error + 1e-2 * expected.abs().max().item(), (our_error, hf_error)
+
+
+@pytest.mark.gpu
+def test_graph_replayed_decode_equals_eager_decode_with_mrope(checkpoint):
+    """The captured decode step with M-RoPE ([3, 1] RoPE positions) against eager decoding."""
+    from tests.test_runtime import graphed_and_eager_agree
+
+    _, _, converted = checkpoint
+    graphed_and_eager_agree(converted / "model.gguf", interleaved(images(2, seed=41), "Describe them."), max_tokens=20)

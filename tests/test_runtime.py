@@ -134,3 +134,37 @@ def test_bad_requests_raise_request_errors_and_the_runtime_stays_usable(runtime,
         runtime.generate(bad, max_tokens=4, top_p=0.0 if match == "top_p" else 1.0)
     assert runtime.arena.stats().n_seqs == len(runtime.prefix_cache)
     assert runtime.generate([user("Hi", [])], max_tokens=2).stats.decode_tokens <= 2
+
+
+def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, capacity: int | None = None) -> None:
+    """Greedy decoding on CUDA in float32 replayed from a CUDA graph equals eager decoding: same tokens,
+    logits within float32 noise (the graph's batch attention splits the keys differently), and every
+    step after the first two is a replay. ``capacity`` (tokens) makes the step object grow mid-answer."""
+    from conduit_rt.decode_graph import GraphedDecoder
+
+    def runtime(graphs: bool) -> Runtime:
+        return Runtime(model_path, device="cuda", dtype=torch.float32, kv_cache_bytes=16 << 20, cuda_graphs=graphs)
+
+    eager, graphed = runtime(False), runtime(True)
+    if capacity is not None:
+        graphed.graphed_decoder.close()
+        graphed.graphed_decoder = GraphedDecoder(graphed.model, graphed.arena, capacity=capacity)
+    steps = 0
+    for _ in range(2):  # the second request reuses the captured graph with another sequence
+        want = eager.generate(messages, max_tokens=max_tokens, return_logits=True)
+        got = graphed.generate(messages, max_tokens=max_tokens, return_logits=True)
+        assert got.tokens == want.tokens
+        scale = want.logits.abs().max()
+        assert (got.logits - want.logits).abs().max() <= 1e-4 * scale
+        steps += len(got.tokens) - (got.stats.finish_reason == "length")  # forward steps after the prefill
+        messages = messages + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "Go on."}]
+    assert steps > 10 and graphed.graphed_decoder.replays == steps - 1  # only the very first step ran eagerly
+    assert eager.graphed_decoder is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_graph_replayed_decode_equals_eager_decode(checkpoint, capacity):
+    _, out = checkpoint
+    graphed_and_eager_agree(out / "model.gguf", [user("Describe it, at length.", images(1, seed=9))], max_tokens=24,
+                            capacity=capacity)

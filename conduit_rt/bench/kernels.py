@@ -4,11 +4,11 @@ Each benchmark fills a one-layer arena with random K, V (positions = slots = 0..
 ``Sequence.attention`` with ``Timer.device_time`` and checks its output against a float32
 reference (a wrong kernel fails its rows however fast it is):
 
-- ``decode``: one query at position n-1 over n keys; effective bandwidth = K+V bytes / time.
-  The batched case calls ``Sequence.attention`` once per sequence (the runtime has no batched
-  call); SDPA gets the whole batch in one call.
-- ``compressed``: the same sequence, compacted to a random ``keep`` of its slots (VL-Cache's
-  per-layer compaction), timed again.
+- ``decode``: one query per sequence over its n keys, through a ``DecodeStep`` (the kernel the
+  runtime's decode runs, one launch for the whole batch; the step's capacity is n); effective
+  bandwidth = K+V bytes / time. SDPA gets the whole batch in one call.
+- ``compressed``: the same decode over one sequence, then over a random ``keep`` of its slots after
+  compaction (VL-Cache's per-layer compaction), with the same step.
 - ``recompute``: CONDUIT's recompute queries, ``refresh`` of the visual tokens plus the last text
   tokens, causal by position; ``prefill``: a chunk of queries at positions 0..n-1. Useful FLOPs
   count only visible (query, key) pairs, 4 H d per pair; the reference is SDPA on a square causal
@@ -75,29 +75,41 @@ class KernelBench:
         return sdpa.relative_error(out, sdpa.reference_attention(q, k, v, q_pos, k_pos, self.scale))
 
     # -- decode ---------------------------------------------------------------------------------
+    def stepped(self, arena: KVArena, n: int, batch: int):
+        """``batch`` sequences of n tokens, the last appended by a ``DecodeStep`` of capacity n (as a
+        decode step does). Returns (step, seqs, k, v) with k, v [batch, n, n_kv_heads, head_dim]."""
+        s = self.s
+        filled = [self.filled(arena, n - 1) for _ in range(batch)]
+        seqs = [f[0] for f in filled]
+        step = arena.new_step(batch, n, s.n_heads)
+        step.prepare(seqs, [n - 1] * batch)
+        k_new, v_new = (self.randn(batch, s.n_kv_heads, s.head_dim) for _ in range(2))
+        step.write_kv(0, k_new, v_new)
+        k = torch.stack([torch.cat([f[1][0], k_new[b:b + 1]]) for b, f in enumerate(filled)])
+        v = torch.stack([torch.cat([f[2][0], v_new[b:b + 1]]) for b, f in enumerate(filled)])
+        return step, seqs, k, v
+
     def decode(self, n: int, batch: int = 1) -> dict:
-        """One query per sequence at position n-1 over n keys, ``batch`` sequences."""
+        """One query per sequence at position n-1 over its n keys, ``batch`` sequences in one launch."""
         s = self.s
         arena = self.arena(n, batch)
         try:
-            filled = [self.filled(arena, n) for _ in range(batch)]
-            seqs = [f[0] for f in filled]
-            q = self.randn(batch, 1, s.n_heads, s.head_dim)
-            q_pos = self.positions([n - 1])
-            outs: list = [None] * batch
+            step, _, k, v = self.stepped(arena, n, batch)
+            q = self.randn(batch, s.n_heads, s.head_dim)
+            out: list = [None]
 
             def ours() -> None:
-                for b, seq in enumerate(seqs):
-                    outs[b] = seq.attention(0, q[b], q_pos, self.scale)
+                out[0] = step.attention(0, q, None, self.scale)
 
             timing = self.timer.device_time(ours)
             host_s = self.timer.host_time(ours)
-            rel_err = self.rel_err(outs[0], q[0], filled[0][1][0], filled[0][2][0], q_pos)
-            k = torch.stack([f[1][0].transpose(0, 1) for f in filled]).contiguous()  # [B, H_kv, n, d]
-            v = torch.stack([f[2][0].transpose(0, 1) for f in filled]).contiguous()
-            del filled
-            q_dense = q.transpose(1, 2).contiguous()  # [B, H, 1, d]
-            reference = sdpa.time_backends(self.timer, q_dense, k, v, False, sdpa.DECODE_BACKENDS)
+            q_pos = self.positions([n - 1])
+            rel_err = max(self.rel_err(out[0][b:b + 1], q[b:b + 1], k[b], v[b], q_pos) for b in range(batch))
+            k_dense = k.transpose(1, 2).contiguous()  # [B, H_kv, n, d]
+            v_dense = v.transpose(1, 2).contiguous()
+            del k, v
+            q_dense = q[:, :, None].contiguous()  # [B, H, 1, d]
+            reference = sdpa.time_backends(self.timer, q_dense, k_dense, v_dense, False, sdpa.DECODE_BACKENDS)
         finally:
             arena.close()
         kv_bytes = batch * n * self.token_bytes()
@@ -110,17 +122,21 @@ class KernelBench:
         s = self.s
         arena = self.arena(n)
         try:
-            seq, (k,), (v,) = self.filled(arena, n)
+            step, (seq,), (k,), (v,) = self.stepped(arena, n, 1)
             q = self.randn(1, s.n_heads, s.head_dim)
             q_pos = self.positions([n - 1])
-            full = self.timer.device_time(lambda: seq.attention(0, q, q_pos, self.scale))
-            kept = torch.randperm(n, generator=torch.Generator().manual_seed(1))[: max(1, round(keep * n))]
-            kept = torch.sort(kept).values
+            full = self.timer.device_time(lambda: step.attention(0, q, None, self.scale))
+            kept = torch.randperm(n - 1, generator=torch.Generator().manual_seed(1))[: max(1, round(keep * n))]
+            kept = torch.cat([torch.sort(kept).values, torch.tensor([n - 1])])  # the newest token stays
             seq.compact(0, kept)
+            step.prepare([seq], [n])  # the next token: the step sees the compacted layer
+            k_new, v_new = (self.randn(1, s.n_kv_heads, s.head_dim) for _ in range(2))
+            step.write_kv(0, k_new, v_new)
             out: list = [None]
-            compact = self.timer.device_time(lambda: out.__setitem__(0, seq.attention(0, q, q_pos, self.scale)))
-            idx = kept.to(self.device)
-            rel_err = self.rel_err(out[0], q, k[idx], v[idx], q_pos, idx)
+            compact = self.timer.device_time(lambda: out.__setitem__(0, step.attention(0, q, None, self.scale)))
+            idx = kept.to(self.device, torch.int32)
+            rel_err = self.rel_err(out[0], q, torch.cat([k[idx], k_new]), torch.cat([v[idx], v_new]),
+                                   self.positions([n]), torch.cat([idx, self.positions([n])]))
         finally:
             arena.close()
         return {"length": n, "kept": int(kept.numel()), "full_seconds": full.median_s, "seconds": compact.median_s,
@@ -207,7 +223,7 @@ def decode_rows(key: str, r: dict, copy_bytes_per_s: float) -> list[Target]:
     """Bandwidth against the copy ceiling, and time against the fastest SDPA backend."""
     what = f"decode attention, batch {r['batch']} x {_fmt(r['length'])}"
     valid = sdpa.is_correct(r["rel_err"])
-    per_call = " (one call per sequence; SDPA one batched call)" if r["batch"] > 1 else ""
+    per_call = " (one batched call, as SDPA)" if r["batch"] > 1 else ""
     best, best_s = sdpa.fastest(r["sdpa"])
     layout = r["sdpa"].get(best, {}).get("layout", "")
     return [
