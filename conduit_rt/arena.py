@@ -233,6 +233,10 @@ class _Child:
 
     def __del__(self) -> None:
         try:
+            if self.arena._handle is None:
+                # The arena went first (both were garbage in one cycle, whose finalizers run in any
+                # order after weak references are cleared): freeing it freed this object natively.
+                self._handle = None
             self.free()
         except Exception:
             pass

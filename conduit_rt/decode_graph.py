@@ -12,9 +12,9 @@ launches a layer) takes longer than that. ``GraphedDecoder`` records the step on
   each replay; the logits are a static output, valid until the next step.
 
 Per token: ``DecodeStep.prepare`` (host: append the token's slot, patch the step's device tables),
-fill the inputs, replay. The first step runs eagerly (it warms cuBLAS and the caching allocator);
-the graph is captured on the second and replayed from then on. A sequence longer than the step's
-capacity gets a larger step and a new capture.
+fill the inputs, replay. Before the first capture, one eager step over a scratch one-token sequence
+warms cuBLAS and the caching allocator (capture must not be their first use), so every real step
+is a replay. A sequence longer than the step's capacity gets a larger step and a new capture.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import logging
 import torch
 
 from .arena import DecodeStep, KVArena, Sequence
+from .errors import ArenaFullError
 from .models.base import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ class GraphedDecoder:
         self._step: DecodeStep = arena.new_step(1, capacity, model.config.n_heads)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
-        self._warm = False
         self._capture_failed = False
         self.replays = 0  # steps served by a replay (the rest ran eagerly)
 
@@ -57,18 +57,15 @@ class GraphedDecoder:
         longest = max(seq.n_tokens(layer) for layer in range(self.arena.n_layers))
         if longest + 1 > self.capacity:
             self._grow(longest + 1)
+        if self._graph is None and not self._capture_failed:
+            self._capture()
         self._step.prepare([seq], [position])
-        self._token.fill_(token)
-        self._position.fill_(position)
-        self._rope.fill_(rope_position)
-        if self._graph is not None:
-            self._graph.replay()
-            self.replays += 1
-            return self._logits
-        if not self._warm or self._capture_failed:
-            self._warm = True
+        self._fill_inputs(token, position, rope_position)
+        if self._graph is None:  # capture failed: eager
             return self._forward()
-        return self._capture_and_replay()
+        self._graph.replay()
+        self.replays += 1
+        return self._logits
 
     def close(self) -> None:
         """Drops the graph and frees the step's device state."""
@@ -81,19 +78,31 @@ class GraphedDecoder:
         batch = ForwardBatch(positions=self._position, rope_positions=self._rope)
         return self.model.logits(self.model.forward(self._step, embeds, batch))[0]
 
-    def _capture_and_replay(self) -> torch.Tensor:
-        graph = torch.cuda.CUDAGraph()
+    def _fill_inputs(self, token: int, position: int, rope_position: int) -> None:
+        self._token.fill_(token)
+        self._position.fill_(position)
+        self._rope.fill_(rope_position)
+
+    def _capture(self) -> None:
+        """Warms up on a scratch sequence (one token at position 0), then records the step. The
+        recording runs nothing; the step object is re-prepared with the real sequence before replay."""
+        scratch = self.arena.new_sequence()
         try:
+            self._step.prepare([scratch], [0])
+            self._fill_inputs(0, 0, 0)
+            self._forward()
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = self._forward()
+            self._graph, self._logits = graph, logits
+        except ArenaFullError:  # no room for the scratch token now: this step runs eagerly, capture later
+            logger.debug("decode graph capture postponed: the arena is full")
         except RuntimeError as e:  # an op that cannot be captured: decode eagerly from now on
             logger.warning("decode step not captured in a CUDA graph, running eagerly: %s", e)
             self._capture_failed = True
-            return self._forward()
-        self._graph, self._logits = graph, logits
-        graph.replay()  # capture only recorded the work: run it for this step
-        self.replays += 1
-        return logits
+        finally:
+            torch.cuda.current_stream(self.arena.device).synchronize()  # the warm-up used the scratch blocks
+            scratch.free()
 
     def _grow(self, need: int) -> None:
         self.capacity = max(need, 2 * self.capacity)

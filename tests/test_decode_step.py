@@ -171,3 +171,22 @@ def test_regrowth_after_compaction_reaches_the_device(device: str) -> None:
     stored_k, stored_v = a.read_kv(0)
     assert torch.equal(stored_k[BLOCK:].cpu(), k.cpu()) and torch.equal(stored_v[BLOCK:].cpu(), v.cpu())
     assert b.n_tokens(0) == 6 * BLOCK
+
+
+def test_cyclic_garbage_frees_each_native_object_once() -> None:
+    """An arena and its children in one reference cycle: the garbage collector runs their finalizers
+    in any order after clearing weak references; a child finalized after its arena must not free
+    itself again (it was freed with the arena)."""
+    import gc
+
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        arena = make_arena("cpu", torch.float32)
+        seq = filled(arena, 3, gen)
+        step = arena.new_step(max_seqs=1, max_tokens=16, n_heads=N_HEADS)
+        step.prepare([seq], [10])
+        holder = {"arena": arena, "children": [seq, step]}
+        holder["self"] = holder
+        arena.holder = holder
+        del arena, seq, step, holder
+        gc.collect()

@@ -139,7 +139,7 @@ def test_bad_requests_raise_request_errors_and_the_runtime_stays_usable(runtime,
 def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, capacity: int | None = None) -> None:
     """Greedy decoding on CUDA in float32 replayed from a CUDA graph equals eager decoding: same tokens,
     logits within float32 noise (the graph's batch attention splits the keys differently), and every
-    step after the first two is a replay. ``capacity`` (tokens) makes the step object grow mid-answer."""
+    step is a replay. ``capacity`` (tokens) makes the step object grow mid-answer."""
     from conduit_rt.decode_graph import GraphedDecoder
 
     def runtime(graphs: bool) -> Runtime:
@@ -158,7 +158,7 @@ def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, c
         assert (got.logits - want.logits).abs().max() <= 1e-4 * scale
         steps += len(got.tokens) - (got.stats.finish_reason == "length")  # forward steps after the prefill
         messages = messages + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "Go on."}]
-    assert steps > 10 and graphed.graphed_decoder.replays == steps - 1  # only the very first step ran eagerly
+    assert steps > 10 and graphed.graphed_decoder.replays == steps  # every step replayed the graph
     assert eager.graphed_decoder is None
 
 

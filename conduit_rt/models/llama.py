@@ -11,11 +11,11 @@ fills each parameter.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conduit_rt.gguf_names import MODEL_TENSOR, tensor_name
 
+from . import fused
 from .base import ForwardBatch, LayerCapture, ModelConfig
 from .rope import RotaryEmbedding
 
@@ -61,7 +61,8 @@ def gguf_tensor_map(
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, the reduction in float32 (as transformers' LlamaRMSNorm)."""
+    """x / rms(x) * weight, the reduction in float32 (as transformers' LlamaRMSNorm); one kernel on
+    CUDA (``fused.rms_norm``)."""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -69,10 +70,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -118,7 +116,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -138,8 +136,10 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         capture: LayerCapture | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(layer, seq, self.input_layernorm(x), batch, rotary, capture)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(layer, seq, self.input_layernorm(x), batch, rotary, capture)
+        post = self.post_attention_layernorm
+        x, h = fused.add_rms_norm(x, attn, post.weight, post.eps)  # the residual add and the next norm at once
+        return x + self.mlp(h)
 
 
 class LlamaDecoder(nn.Module):

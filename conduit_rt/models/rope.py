@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fused
+
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")
 
 
@@ -121,8 +123,9 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq.to(device)  # float32 [rotary_dim // 2]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE)."""
-        return apply_rope(x, positions, self.inv_freq, self.attention_scaling, self.config.sections)
+        """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE); one kernel
+        on CUDA (``fused.rope``)."""
+        return fused.rope(x, positions, self.inv_freq, self.attention_scaling, self.config.sections)
 
     def configure(self, arena) -> None:
         """Sets the arena's RoPE (``KVArena.set_rope``) to this one, so that written K match rotated q."""

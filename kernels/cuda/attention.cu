@@ -15,28 +15,75 @@ namespace {
 constexpr int32_t kMaxSplits = 128;
 constexpr int32_t kTargetCtasPerSm = 4;  // ~2 resident CTAs per SM, two waves
 
-// One CTA per (query, head): out = sum_s exp(lse_s - lse) * partial_s, lse = logsumexp_s(lse_s).
-// Dynamic shared memory: n_splits floats.
-template <typename T> __global__ void merge_splits_kernel(const AttentionParams p) {
-    extern __shared__ float weight[];
-    const int64_t head_row = blockIdx.x;
-    const float *part_lse = p.partial_lse + head_row * p.n_splits;
-    float max_lse = -CUDART_INF_F;
-    for (int32_t s = 0; s < p.n_splits; ++s) max_lse = fmaxf(max_lse, part_lse[s]);
-    const float ref = max_lse == -CUDART_INF_F ? 0.0f : max_lse;
-    for (int32_t s = threadIdx.x; s < p.n_splits; s += blockDim.x) weight[s] = expf(part_lse[s] - ref);
+constexpr int kMergeThreads = 128;
+
+// Reduces x over the CTA (kMergeThreads threads) with op; every thread gets the result.
+template <typename Op> __device__ __forceinline__ float merge_reduce(float x, Op op, float *scratch) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    __syncthreads(); // scratch may still be read from a previous reduction
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
     __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < kMergeThreads / 32; ++w) x = op(x, scratch[w]);
+    return x;
+}
+
+// One CTA per (query, head): out = sum_s exp(lse_s - lse) * partial_s, lse = logsumexp_s(lse_s).
+// The weights are computed once into shared memory; then the threads form `groups` teams of
+// head_dim / 4 threads, team g summing float4 columns of splits g, g + groups, ... (independent
+// loads, many in flight: a long decode has ~66 splits per head, which one thread per column would
+// read one after another), and the teams' sums are added through shared memory. Empty splits
+// (weight 0) are not read. Dynamic shared memory: merge_smem_floats(n_splits, head_dim) floats.
+template <typename T> __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const AttentionParams p) {
+    extern __shared__ float merge_smem[];
+    __shared__ float scratch[kMergeThreads / 32];
+    const int32_t n_splits = p.n_splits, head_dim = p.head_dim;
+    float *weight = merge_smem;                                   // [n_splits]
+    float *team_sum = merge_smem + (n_splits + 3) / 4 * 4;        // [groups, head_dim]
+    const int64_t head_row = blockIdx.x;
+    const float *part_lse = p.partial_lse + head_row * n_splits;
+    float max_lse = -CUDART_INF_F;
+    for (int32_t s = threadIdx.x; s < n_splits; s += kMergeThreads) max_lse = fmaxf(max_lse, part_lse[s]);
+    max_lse = merge_reduce(max_lse, [](float a, float b) { return fmaxf(a, b); }, scratch);
+    const float ref = max_lse == -CUDART_INF_F ? 0.0f : max_lse;
     float total = 0.0f;
-    for (int32_t s = 0; s < p.n_splits; ++s) total += weight[s];
+    for (int32_t s = threadIdx.x; s < n_splits; s += kMergeThreads) {
+        weight[s] = expf(part_lse[s] - ref);
+        total += weight[s];
+    }
+    total = merge_reduce(total, [](float a, float b) { return a + b; }, scratch); // also orders weight[]
+
+    const int32_t columns = head_dim / 4, groups = kMergeThreads / columns;
+    const int32_t column = threadIdx.x % columns, team = threadIdx.x / columns;
+    const float4 *rows = reinterpret_cast<const float4 *>(p.partial_out + head_row * n_splits * head_dim);
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int32_t s = team; team < groups && s < n_splits; s += groups) {
+        const float w = weight[s];
+        if (w == 0.0f) continue;
+        const float4 v = rows[int64_t(s) * columns + column];
+        acc.x = fmaf(w, v.x, acc.x);
+        acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z);
+        acc.w = fmaf(w, v.w, acc.w);
+    }
+    if (team < groups) reinterpret_cast<float4 *>(team_sum + team * head_dim)[column] = acc;
+    __syncthreads();
     const bool empty = total == 0.0f;
     const float inv = empty ? 0.0f : 1.0f / total;
-    const float *part_out = p.partial_out + head_row * p.n_splits * p.head_dim;
-    for (int32_t d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    for (int32_t d = threadIdx.x; d < head_dim; d += kMergeThreads) {
         float value = 0.0f;
-        for (int32_t s = 0; s < p.n_splits; ++s) value = fmaf(weight[s], part_out[int64_t(s) * p.head_dim + d], value);
-        static_cast<T *>(p.out)[head_row * p.head_dim + d] = from_float<T>(value * inv);
+        for (int32_t g = 0; g < groups; ++g) value += team_sum[g * head_dim + d];
+        static_cast<T *>(p.out)[head_row * head_dim + d] = from_float<T>(value * inv);
     }
     if (threadIdx.x == 0 && p.lse) p.lse[head_row] = empty ? -CUDART_INF_F : max_lse + logf(total);
+}
+
+// Floats of dynamic shared memory merge_splits_kernel needs.
+size_t merge_smem_floats(int32_t n_splits, int32_t head_dim) {
+    const int32_t groups = kMergeThreads / (head_dim / 4);
+    return size_t((n_splits + 3) / 4 * 4) + size_t(groups) * head_dim;
 }
 
 // Runs the split-KV kernel with p's split plan (p.n_splits, p.split_tokens, and partial buffers when
@@ -47,8 +94,8 @@ void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
     split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile><<<grid, kAttnThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH("split_kv_attention_kernel");
     if (p.n_splits > 1) {
-        const size_t smem = size_t(p.n_splits) * sizeof(float);
-        merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), 128, smem, stream>>>(p);
+        const size_t smem = merge_smem_floats(p.n_splits, p.head_dim) * sizeof(float);
+        merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), kMergeThreads, smem, stream>>>(p);
         CUDA_CHECK_LAUNCH("merge_splits_kernel");
     }
 }

@@ -1,0 +1,79 @@
+"""The decoder's elementwise chains as single kernels: RMSNorm (with the residual add before it),
+SiLU-gated product, and rotate-half RoPE of the queries.
+
+In torch each of these is a chain of small kernels (an RMSNorm in float32 is seven). A decode step
+of a 7B decoder runs about 37 kernels a layer, two thirds of them elementwise ops on one row that
+each cost a couple of microseconds of launch and ramp on the GPU even when replayed from a CUDA
+graph: more than a millisecond per token. On CUDA tensors each chain here is one Triton kernel; on
+the CPU (and where Triton is missing) it is the torch chain, which is also the numerical
+definition: the Triton kernels round every intermediate to the model dtype where torch does
+(transformers' LlamaRMSNorm, ``silu(gate) * up``, ``x cos + rotate_half(x) sin`` with cos and sin
+cast to the dtype), so they agree with it to the last bit or one unit in the last place.
+
+Shapes: x, delta [..., hidden] (contiguous); gate, up [..., intermediate]; q [n, heads, head_dim]
+with RoPE positions int32 [n] (rotate-half) or [3, n] (M-RoPE).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _triton():
+    """The Triton kernels module, or None when Triton is unavailable or disabled (CONDUIT_NO_TRITON=1)."""
+    if os.environ.get("CONDUIT_NO_TRITON") == "1":
+        return None
+    try:
+        from . import fused_triton
+    except ImportError:
+        return None
+    return fused_triton
+
+
+def _on_gpu(*tensors: torch.Tensor) -> bool:
+    return tensors[0].is_cuda and all(t.is_contiguous() for t in tensors) and _triton() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), the reduction in float32 and the product in x's dtype (LlamaRMSNorm)."""
+    if _on_gpu(x, weight) and x.dtype == weight.dtype:
+        return _triton().rms_norm(x, None, weight, eps)[1]
+    return _rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): a residual add and the norm that follows it."""
+    if _on_gpu(x, delta, weight) and x.dtype == delta.dtype == weight.dtype:
+        return _triton().rms_norm(x, delta, weight, eps)
+    total = x + delta
+    return total, _rms_norm_torch(total, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, each rounded to the dtype as in torch."""
+    if _on_gpu(gate, up) and gate.dtype == up.dtype:
+        return _triton().silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+         sections: tuple[int, ...]) -> torch.Tensor:
+    """Rotate-half RoPE of x [n, heads, head_dim] at int positions [n] (or [3, n] with M-RoPE
+    ``sections``): the first 2 * len(inv_freq) elements of each head rotate, the rest pass."""
+    from .rope import apply_rope
+
+    if _on_gpu(x, positions, inv_freq) and x.dim() == 3 and positions.dtype == torch.int32:
+        return _triton().rope(x, positions, inv_freq, scaling, sections)
+    return apply_rope(x, positions, inv_freq, scaling, sections)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
