@@ -41,10 +41,10 @@ class GraphedDecoder:
         self.model, self.arena = model, arena
         self.capacity = capacity
         device = arena.device
-        rows = 3 if model.config.rope.sections else 1  # M-RoPE: t, h, w rows
         self._token = torch.zeros(1, dtype=torch.long, device=device)
         self._position = torch.zeros(1, dtype=torch.int32, device=device)
-        self._rope = torch.zeros((3, 1) if rows == 3 else (1,), dtype=torch.int32, device=device)
+        rope_shape = (3, 1) if model.config.rope.sections else (1,)  # M-RoPE: t, h, w rows
+        self._rope = torch.zeros(rope_shape, dtype=torch.int32, device=device)
         self._step: DecodeStep = arena.new_step(1, capacity, model.config.n_heads)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
@@ -91,6 +91,10 @@ class GraphedDecoder:
             self._step.prepare([scratch], [0])
             self._fill_inputs(0, 0, 0)
             self._forward()
+            # Refill the inputs (bumping their versions): tables derived from them, such as RoPE's
+            # cos/sin cached per forward pass, are then computed inside the graph, not taken from
+            # the warm-up.
+            self._fill_inputs(0, 0, 0)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = self._forward()

@@ -11,7 +11,8 @@ definition: the Triton kernels round every intermediate to the model dtype where
 cast to the dtype), so they agree with it to the last bit or one unit in the last place.
 
 Shapes: x, delta [..., hidden] (contiguous); gate, up [..., intermediate]; q [n, heads, head_dim]
-with RoPE positions int32 [n] (rotate-half) or [3, n] (M-RoPE).
+with cos, sin tables [n, n_freq] (``rope.rope_tables``: computed once per forward pass, in torch,
+so that they are torch's values to the bit).
 """
 from __future__ import annotations
 
@@ -61,15 +62,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-         sections: tuple[int, ...]) -> torch.Tensor:
-    """Rotate-half RoPE of x [n, heads, head_dim] at int positions [n] (or [3, n] with M-RoPE
-    ``sections``): the first 2 * len(inv_freq) elements of each head rotate, the rest pass."""
-    from .rope import apply_rope
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [n, heads, head_dim] with cos, sin [n, n_freq] in x's dtype: the first
+    2 n_freq elements of each head rotate (``x cos + rotate_half(x) sin``), the rest pass."""
+    from .rope import rotate as rotate_torch
 
-    if _on_gpu(x, positions, inv_freq) and x.dim() == 3 and positions.dtype == torch.int32:
-        return _triton().rope(x, positions, inv_freq, scaling, sections)
-    return apply_rope(x, positions, inv_freq, scaling, sections)
+    if _on_gpu(x, cos, sin) and x.dim() == 3 and x.dtype == cos.dtype == sin.dtype:
+        return _triton().rotate(x, cos, sin)
+    return rotate_torch(x, cos, sin)
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

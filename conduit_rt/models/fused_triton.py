@@ -2,16 +2,17 @@
 
 Every kernel works on rows of contiguous tensors, one program per row (a token), and rounds each
 intermediate to the output dtype where the torch chain it replaces does, so that the results match
-torch's bit for bit up to the float32 reduction order. Transcendentals come from libdevice, the
-library CUDA's own cosf/sinf/expf are: RoPE angles reach tens of thousands of radians, where the
-approximate hardware sine is far off.
+torch's bit for bit up to the float32 reduction order and the exp of SiLU (libdevice's, as CUDA's
+expf); divisions are IEEE-rounded (div_rn), as CUDA's own. They compile without fused multiply-adds,
+which torch's separate kernels cannot form. RoPE takes its cos/sin tables from torch
+(``rope.rope_tables``) rather than evaluating them.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice  # accurate cos/sin/exp (tl.cos may use approximations)
+from triton.language.extra import libdevice  # the accurate exp (tl.exp may use the approximate ex2)
 
 
 def _warps(block: int) -> int:
@@ -30,7 +31,7 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps,
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
     h = x.to(tl.float32)
-    inv_rms = libdevice.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    inv_rms = libdevice.rsqrt(libdevice.div_rn(tl.sum(h * h, axis=0), n_cols.to(tl.float32)) + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -46,7 +47,8 @@ def rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     if rows:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, total, out, hidden, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block))
+                                  HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block),
+                                  enable_fp_fusion=False)
     return total, out
 
 
@@ -56,7 +58,7 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + libdevice.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -65,32 +67,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     if n:
         block = 2048
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8)
+        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8,
+                                                   enable_fp_fusion=False)
     return out
 
 
 @triton.jit
-def _rope_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, n_tokens, n_heads, head_dim, n_freq, scaling,
-                 section0, section1, MROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
+def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, head_dim, n_freq,
+                   BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     f = tl.arange(0, BLOCK_F)
     f_mask = f < n_freq
-    if MROPE:  # frequency f takes the t, h or w position by its section
-        row = tl.where(f < section0, 0, tl.where(f < section0 + section1, 1, 2))
-        pos = tl.load(pos_ptr + row * n_tokens + token, mask=f_mask, other=0).to(tl.float32)
-    else:
-        pos = tl.load(pos_ptr + token).to(tl.float32)
-    angle = pos * tl.load(inv_freq_ptr + f, mask=f_mask, other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    cos = (libdevice.cos(angle) * scaling).to(dtype).to(tl.float32)[None, :]
-    sin = (libdevice.sin(angle) * scaling).to(dtype).to(tl.float32)[None, :]
+    cos = tl.load(cos_ptr + token * n_freq + f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + token * n_freq + f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = (h < n_heads) & f_mask[None, :]
     base = token * n_heads * head_dim + h * head_dim
     x1 = tl.load(x_ptr + base + f[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + base + n_freq + f[None, :], mask=mask, other=0.0).to(tl.float32)
-    # x cos + rotate_half(x) sin, each product rounded to the dtype, then the sum
+    # x cos + rotate_half(x) sin, each product rounded to the dtype, then the sum (no fused multiply-add:
+    # the kernel is compiled with enable_fp_fusion=False)
+    dtype = out_ptr.dtype.element_ty
     out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(out_ptr + base + f[None, :], out1.to(dtype), mask=mask)
@@ -101,18 +98,15 @@ def _rope_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, n_tokens, n_heads, head_
         tl.store(out_ptr + base + r, tl.load(x_ptr + base + r, mask=r_mask, other=0.0), mask=r_mask)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-         sections: tuple[int, ...]) -> torch.Tensor:
-    """x [n, heads, head_dim] rotated at positions int32 [n] or [3, n] (with M-RoPE sections)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, head_dim] rotated with cos, sin [n, n_freq] (x's dtype, contiguous)."""
     n, heads, head_dim = x.shape
-    n_freq = inv_freq.numel()
+    n_freq = cos.shape[-1]
     out = torch.empty_like(x)
     if n:
         rest = head_dim - 2 * n_freq
-        s0, s1 = (sections[0], sections[1]) if sections else (0, 0)
         block_h, block_f = triton.next_power_of_2(heads), triton.next_power_of_2(n_freq)
-        _rope_kernel[(n,)](x, out, positions, inv_freq, n, heads, head_dim, n_freq, float(scaling), s0, s1,
-                           MROPE=bool(sections), BLOCK_H=block_h, BLOCK_F=block_f,
-                           BLOCK_R=triton.next_power_of_2(rest) if rest > 0 else 0,
-                           num_warps=_warps(block_h * block_f))
+        _rotate_kernel[(n,)](x, cos, sin, out, heads, head_dim, n_freq, BLOCK_H=block_h, BLOCK_F=block_f,
+                             BLOCK_R=triton.next_power_of_2(rest) if rest > 0 else 0,
+                             num_warps=_warps(block_h * block_f), enable_fp_fusion=False)
     return out

@@ -93,6 +93,24 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, sections: tuple
     return torch.cat([block[i % 3] for i, block in enumerate(blocks)], dim=-1)
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, sections: tuple[int, ...],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, n_freq] in ``dtype``: computed in float32 and scaled, then cast (as transformers)."""
+    angles = rope_angles(positions, inv_freq, sections)
+    return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` over the first 2 n_freq elements of each head of x [n, heads,
+    head_dim], with cos, sin [n, n_freq] in x's dtype; the rest of each head passes through."""
+    n_freq = cos.shape[-1]
+    cos, sin = cos.repeat(1, 2)[:, None, :], sin.repeat(1, 2)[:, None, :]
+    rotary, rest = x[..., : 2 * n_freq], x[..., 2 * n_freq :]
+    first, second = rotary[..., :n_freq], rotary[..., n_freq:]
+    rotated = rotary * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
 def apply_rope(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -104,28 +122,32 @@ def apply_rope(
 
     As transformers does it: cos/sin in float32, cast to x's dtype, then ``x cos + rotate_half(x) sin``.
     """
-    n_freq = inv_freq.numel()
-    emb = rope_angles(positions, inv_freq, sections).repeat(1, 2)  # [n, 2 n_freq]
-    cos = (emb.cos() * attention_scaling).to(x.dtype)[:, None, :]
-    sin = (emb.sin() * attention_scaling).to(x.dtype)[:, None, :]
-    rotary, rest = x[..., : 2 * n_freq], x[..., 2 * n_freq :]
-    first, second = rotary[..., :n_freq], rotary[..., n_freq:]
-    rotated = rotary * cos + torch.cat((-second, first), dim=-1) * sin
-    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+    return rotate(x, *rope_tables(positions, inv_freq, attention_scaling, sections, x.dtype))
 
 
 class RotaryEmbedding:
-    """One model's RoPE on its device: rotates q in torch and configures the arena to rotate K alike."""
+    """One model's RoPE on its device: rotates q and configures the arena to rotate K alike.
+
+    The cos/sin tables of a forward pass's positions are computed once (the first layer) and reused
+    by the others: they are the same tensor object at an unchanged version (``Tensor._version``
+    counts in-place writes, such as a CUDA graph's static inputs being refilled).
+    """
 
     def __init__(self, rope: RopeConfig, device: torch.device | str) -> None:
         self.config = rope
         inv_freq, self.attention_scaling = inverse_frequencies(rope)
         self.inv_freq = inv_freq.to(device)  # float32 [rotary_dim // 2]
+        self._tables_of: tuple | None = None  # (positions, its version, dtype) the cached tables are of
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE); one kernel
-        on CUDA (``fused.rope``)."""
-        return fused.rope(x, positions, self.inv_freq, self.attention_scaling, self.config.sections)
+        on CUDA (``fused.rotate``)."""
+        cached = self._tables_of
+        if cached is None or cached[0] is not positions or cached[1] != positions._version or cached[2] != x.dtype:
+            self._tables = rope_tables(positions, self.inv_freq, self.attention_scaling, self.config.sections, x.dtype)
+            self._tables_of = (positions, positions._version, x.dtype)
+        return fused.rotate(x, *self._tables)
 
     def configure(self, arena) -> None:
         """Sets the arena's RoPE (``KVArena.set_rope``) to this one, so that written K match rotated q."""

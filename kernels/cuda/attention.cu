@@ -5,6 +5,7 @@
 // step over a batch of sequences) plans its splits from the batch's shape alone and takes its
 // partials from the caller's workspace, so that it allocates nothing and can be graph-captured.
 #include <algorithm>
+#include <atomic>
 
 #include "attention_kernel.cuh"
 #include "attention_mma.cuh"
@@ -13,7 +14,6 @@ namespace conduit::kernels::cuda {
 namespace {
 
 constexpr int32_t kMaxSplits = 128;
-constexpr int32_t kTargetCtasPerSm = 4;  // ~2 resident CTAs per SM, two waves
 
 constexpr int kMergeThreads = 128;
 
@@ -114,29 +114,55 @@ void place_partials(AttentionParams &p, char *ws) {
     p.partial_lse = reinterpret_cast<float *>(ws + (partials * p.head_dim * sizeof(float) + 255) / 256 * 256);
 }
 
-// Splits of a decode step over a batch: enough CTAs for kTargetCtasPerSm per SM, no more than the
-// capacity gives kMinSplitTokens each. Depends on the batch's shape only (not on its lengths), so a
-// captured launch stays right as the sequences grow.
+// CTAs of one split-KV instantiation resident on the device at once: its occupancy per SM (registers,
+// shared memory) times the SMs. Splitting the keys into one full wave of them keeps every SM busy to
+// the end; a fixed CTAs-per-SM guess leaves a partial second wave whenever fewer fit.
+template <typename T, int kLanes, int kPerLane, int kGroupTile> int64_t resident_ctas() {
+    static std::atomic<int> per_sm{0}; // the same instantiation has the same occupancy on every launch
+    int n = per_sm.load();
+    if (n == 0) {
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &n, reinterpret_cast<const void *>(&split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile>),
+            kAttnThreads, 0));
+        n = std::max(n, 1);
+        per_sm.store(n);
+    }
+    return int64_t(n) * sm_count();
+}
+
+int64_t resident_ctas_for(DType dtype, int32_t head_dim, int32_t group) {
+    int64_t out = 1;
+    dispatch_dtype(dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        dispatch_shape<T>(head_dim, group, [&](auto shape) {
+            using Sh = decltype(shape);
+            out = resident_ctas<T, Sh::lanes, Sh::per_lane, Sh::group_tile>();
+        });
+    });
+    return out;
+}
+
+// Splits of base_ctas CTAs' keys: as many as one wave of resident CTAs holds, at least one, at most
+// kMaxSplits and no more than give each split min_split_tokens of n_tokens.
+int32_t splits_for(int64_t base_ctas, int64_t resident, int64_t n_tokens, int32_t min_split_tokens) {
+    const int64_t by_length = std::max<int64_t>((n_tokens + min_split_tokens - 1) / min_split_tokens, 1);
+    return int32_t(std::clamp<int64_t>(resident / base_ctas, 1, std::min<int64_t>(by_length, kMaxSplits)));
+}
+
+// Splits of a decode step over a batch: planned on the capacity (max_tokens), not the lengths, so that
+// a captured launch stays right as the sequences grow.
 int32_t batch_splits(const BatchView &kv, int32_t n_heads) {
     const int32_t group = n_heads / kv.n_kv_heads;
     const int32_t head_tiles = (group + group_tile_for(group) - 1) / group_tile_for(group);
     const int64_t base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads * head_tiles;
-    const int64_t target = int64_t(kTargetCtasPerSm) * sm_count();
-    const int64_t by_capacity = std::max<int64_t>((int64_t(kv.max_tokens) + kMinSplitTokens - 1) / kMinSplitTokens, 1);
-    return int32_t(std::clamp<int64_t>((target + base_ctas - 1) / base_ctas, 1, std::min<int64_t>(by_capacity, kMaxSplits)));
+    return splits_for(base_ctas, resident_ctas_for(kv.dtype, kv.head_dim, group), kv.max_tokens, kMinSplitTokens);
 }
 
 } // namespace
 
-void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens) {
+void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens, int64_t resident_ctas) {
     const int64_t base_ctas = int64_t(p.n_q) * p.n_kv_heads * p.head_tiles;
-    const int64_t target = int64_t(kTargetCtasPerSm) * sm_count();
-    int64_t splits = 1;
-    if (base_ctas < target) {
-        const int64_t by_length = (int64_t(p.n_tokens) + min_split_tokens - 1) / min_split_tokens;
-        splits = std::min<int64_t>({(target + base_ctas - 1) / base_ctas, by_length, int64_t(kMaxSplits)});
-        splits = std::max<int64_t>(splits, 1);
-    }
+    const int64_t splits = splits_for(base_ctas, resident_ctas, p.n_tokens, min_split_tokens);
     const int64_t per_split = (int64_t(p.n_tokens) + splits - 1) / splits;
     const int64_t rounded = std::max<int64_t>((per_split + tile_rows - 1) / tile_rows * tile_rows, tile_rows);
     p.split_tokens = int32_t(rounded);
@@ -192,7 +218,8 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
         using T = typename decltype(dtype)::type;
         dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {
             using Sh = decltype(shape);
-            plan_splits(p, AttnShape<T, Sh::lanes, Sh::per_lane, Sh::group_tile>::kTileRows, kMinSplitTokens);
+            plan_splits(p, AttnShape<T, Sh::lanes, Sh::per_lane, Sh::group_tile>::kTileRows, kMinSplitTokens,
+                        resident_ctas<T, Sh::lanes, Sh::per_lane, Sh::group_tile>());
             if (p.n_splits > 1) {
                 const size_t bytes = partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits);
                 char *ws = static_cast<char *>(stream_workspace(bytes, as_stream(stream)));

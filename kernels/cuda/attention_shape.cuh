@@ -55,8 +55,8 @@ __host__ __device__ inline int32_t split_tokens_for(int32_t n_tokens, int32_t n_
 AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
                                  const int32_t *q_pos, float scale);
 // Sets p.split_tokens (a multiple of tile_rows, at least min_split_tokens unless one split covers
-// everything) and p.n_splits from the work size and the SM count (attention.cu).
-void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens);
+// everything) and p.n_splits: the keys split until the CTAs fill one wave of resident_ctas (attention.cu).
+void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens, int64_t resident_ctas);
 
 // Tile geometry of one instantiation: T storage type, kLanes lanes per key row, kPerLane 16-byte
 // chunks per lane (kLanes * kPerLane * kChunk<T> >= head_dim), kGroupTile query heads per CTA.

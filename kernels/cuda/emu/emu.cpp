@@ -304,6 +304,10 @@ cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int) {
     *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0; // few SMs: small problems still split
     return cudaSuccess;
 }
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *, int, size_t) {
+    *blocks = 4; // with the 4 emulated SMs: 16 resident CTAs, so that small problems still split
+    return cudaSuccess;
+}
 cudaError_t cudaFuncSetAttribute(const void *, enum cudaFuncAttribute attr, int value) {
     if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
         if (value > 227 * 1024) return cudaErrorInvalidValue;
