@@ -52,32 +52,44 @@ class RestoredImage:
 
 class PassCapture:
     """LayerCapture of a request's passes: q of the observed positions per layer (the latest pass
-    that computed a position wins), and pre-RoPE K and V of the image tokens to store."""
+    that computed a position wins), and pre-RoPE K and V of the image tokens to store.
+
+    Per layer, each pass's observed q rows stay one tensor ([n_observed, n_heads, head_dim]), with a
+    position -> (tensor, row) map: no per-row tensors, and no host sync (the row index is uploaded
+    once per chunk without blocking).
+    """
 
     def __init__(self, observe: set[int], store: dict[bytes, tuple[int, int]]) -> None:
         self.observe, self.store = observe, store
-        self.q: dict[int, dict[int, torch.Tensor]] = {}            # layer -> position -> q [n_heads, head_dim]
+        self.q: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}  # layer -> position -> (q rows, row)
         self._kv: dict[bytes, dict[int, tuple[list, list]]] = {key: {} for key in store}
         self._positions: list[int] = []
+        self._observed: list[int] = []  # positions of the chunk's observed rows, in row order
         self._observed_rows: torch.Tensor | None = None
+        self._rows_on: dict[torch.device, torch.Tensor] = {}
 
     def begin_chunk(self, positions: list[int]) -> None:
         """The next forward computes these prompt positions, one per row."""
         self._positions = positions
         rows = [i for i, p in enumerate(positions) if p in self.observe]
+        self._observed = [positions[i] for i in rows]
         self._observed_rows = torch.tensor(rows, dtype=torch.long)
+        self._rows_on = {}
 
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        if self._observed_rows.numel():
-            kept = q[self._observed_rows.to(q.device)]
+        if self._observed:
+            rows = self._rows_on.get(q.device)
+            if rows is None:
+                rows = self._rows_on[q.device] = self._observed_rows.to(q.device, non_blocking=True)
+            kept = q[rows]
             per_layer = self.q.setdefault(layer, {})
-            for row, q_row in zip(self._observed_rows.tolist(), kept):
-                per_layer[self._positions[row]] = q_row
+            for row, position in enumerate(self._observed):
+                per_layer[position] = (kept, row)
         lo, hi = self._positions[0], self._positions[-1] + 1
         for key, (a, b) in self.store.items():
             rows = [i for i, p in enumerate(self._positions) if a <= p < b] if a < hi and b > lo else []
             if rows:
-                idx = torch.tensor(rows, device=k_pre_rope.device)
+                idx = torch.tensor(rows).to(k_pre_rope.device, non_blocking=True)
                 ks, vs = self._kv[key].setdefault(layer, ([], []))
                 ks.append(k_pre_rope[idx].clone())
                 vs.append(v[idx].clone())
@@ -88,7 +100,14 @@ class PassCapture:
         found = [p for p in positions if p in per_layer]
         if not found:
             return torch.zeros(0), []
-        return torch.stack([per_layer[p] for p in found]).contiguous(), found
+        sources = [per_layer[p] for p in found]
+        first = sources[0][0]
+        rows = [row for _, row in sources]
+        if all(tensor is first for tensor, _ in sources):  # one pass computed them all: one gather
+            if rows == list(range(first.shape[0])):
+                return first.contiguous(), found
+            return first[torch.tensor(rows).to(first.device, non_blocking=True)].contiguous(), found
+        return torch.stack([tensor[row] for tensor, row in sources]).contiguous(), found
 
     def stored(self, key: bytes, n_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer pre-RoPE K and V [n_tokens, n_kv_heads, head_dim] of an image to store."""
@@ -159,7 +178,7 @@ class ReusePass:
             return visual
         spans = [torch.arange(r.slot.start, r.slot.start + r.slot.n_tokens) for r in self.restored]
         slots = torch.cat(spans)
-        rope = self.rope[..., slots].to(self.model.device).contiguous()  # one upload for every image
+        rope = self.rope[..., slots].contiguous().to(self.model.device, non_blocking=True)  # one upload, all images
         self.seq.restore_images([r.cached.entry for r in self.restored], slots=slots, rope_pos=rope)
         for r in self.restored:
             visual[r.slot.start:r.slot.start + r.slot.n_tokens] = [True] * r.slot.n_tokens
@@ -177,8 +196,10 @@ class ReusePass:
     def _batch(self, positions: list[int]) -> ForwardBatch:
         device = self.model.device
         index = torch.tensor(positions, dtype=torch.long)
-        return ForwardBatch(positions=index.to(torch.int32).to(device),
-                            rope_positions=self.rope[..., index].to(device).contiguous(), slots=positions)
+        # non_blocking: a blocking copy from the host waits for every kernel queued before it
+        return ForwardBatch(positions=index.to(torch.int32).to(device, non_blocking=True),
+                            rope_positions=self.rope[..., index].contiguous().to(device, non_blocking=True),
+                            slots=positions)
 
     def _visual_tokens(self) -> VisualTokens:
         slots, image = [], []
@@ -264,7 +285,7 @@ class _PassScores:
         if self._attention is None:
             config, seq = self.run.model.config, self.run.seq
             device = self.run.model.device
-            slots = self.tokens.slots.to(device)
+            slots = self.tokens.slots.to(device, non_blocking=True)
             # No host sync inside the loop: q positions are uploaded once per distinct list (the same
             # for every layer in practice), and the per-layer results stay on the device.
             uploaded: dict[tuple[int, ...], torch.Tensor] = {}
@@ -287,7 +308,7 @@ class _PassScores:
     def value_norms(self) -> torch.Tensor:
         """||V_l(t)|| over all KV heads, from the cached entries: float32 [n_layers_chosen, N]."""
         norms = torch.cat([r.cached.value_norms for r in self.run.restored], dim=1)  # [L, N]
-        return norms[self.layers].to(self.run.model.device)
+        return norms[self.layers].to(self.run.model.device, non_blocking=True)
 
 
 def _flops(config, positions: list[int]) -> float:

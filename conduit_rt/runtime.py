@@ -369,15 +369,17 @@ class Runtime:
     def _embeddings(self, request: _Request, positions: list[int]) -> torch.Tensor:
         """Input embeddings of prompt positions: [len(positions), hidden], model dtype; image tokens
         take their image's features (from the embedding cache, or the vision tower on a miss)."""
-        ids = torch.tensor([request.prompt.token_ids[p] for p in positions], dtype=torch.long, device=self.device)
-        embeds = self.model.embed_tokens(ids)
+        # Host -> device copies are non_blocking: a blocking one waits for every kernel queued before it.
+        ids = torch.tensor([request.prompt.token_ids[p] for p in positions], dtype=torch.long)
+        embeds = self.model.embed_tokens(ids.to(self.device, non_blocking=True))
         index = torch.tensor(positions, dtype=torch.long)
         for slot in request.prompt.image_slots:
             inside = (index >= slot.start) & (index < slot.start + slot.n_tokens)
             if bool(inside.any()):
                 features = self._image_features(request, slot.image_index)
                 rows = torch.nonzero(inside).flatten()
-                embeds[rows.to(self.device)] = features[(index[rows] - slot.start).to(self.device)]
+                embeds[rows.to(self.device, non_blocking=True)] = \
+                    features[(index[rows] - slot.start).to(self.device, non_blocking=True)]
         return embeds
 
     def _image_features(self, request: _Request, image_index: int) -> torch.Tensor:

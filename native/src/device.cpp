@@ -54,6 +54,28 @@ Device::Device(conduit_backend backend, int32_t ordinal) : backend_(backend), or
 #endif
 }
 
+Device::~Device() {
+    for (auto &entry : spare_ints_)
+        for (int32_t *ptr : entry.second) free(ptr);
+}
+
+int32_t *Device::take_ints(size_t &capacity) const {
+    size_t rounded = 64;
+    while (rounded < capacity) rounded *= 2;
+    capacity = rounded;
+    auto spare = spare_ints_.find(rounded);
+    if (spare != spare_ints_.end() && !spare->second.empty()) {
+        int32_t *ptr = spare->second.back();
+        spare->second.pop_back();
+        return ptr;
+    }
+    return static_cast<int32_t *>(alloc(rounded * sizeof(int32_t)));
+}
+
+void Device::give_ints(int32_t *ptr, size_t capacity) const {
+    if (ptr) spare_ints_[capacity].push_back(ptr);
+}
+
 void Device::activate() const {
 #ifdef CONDUIT_WITH_CUDA
     kc::cuda::set_device(ordinal_);
@@ -174,8 +196,8 @@ const int32_t *MirroredInts::sync(const Device &device, void *stream) {
     if (!device.is_cuda()) return host_.data();
     if (capacity_ < host_.size() || !device_) {
         release(device);
-        const size_t capacity = host_.size() < 64 ? 64 : host_.size() * 2;
-        device_ = static_cast<int32_t *>(device.alloc(capacity * sizeof(int32_t)));
+        size_t capacity = host_.size() * 2;
+        device_ = device.take_ints(capacity);
         capacity_ = capacity;
         owner_ = &device;
         synced_ = 0;
@@ -187,7 +209,7 @@ const int32_t *MirroredInts::sync(const Device &device, void *stream) {
 }
 
 void MirroredInts::release(const Device &device) {
-    if (device_) device.free(device_);
+    if (device_) device.give_ints(device_, capacity_);
     device_ = nullptr;
     capacity_ = 0;
     synced_ = 0;

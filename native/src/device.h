@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "conduit.h"
@@ -14,12 +15,20 @@ namespace conduit {
 class Device {
   public:
     Device(conduit_backend backend, int32_t ordinal);
+    ~Device(); // frees the recycled int arrays
+    Device(const Device &) = delete;
+    Device &operator=(const Device &) = delete;
 
     conduit_backend backend() const { return backend_; }
     bool is_cuda() const { return backend_ == CONDUIT_BACKEND_CUDA; }
 
     void *alloc(size_t bytes) const; // throws Error(OUT_OF_MEMORY)
     void free(void *ptr) const;
+    // Device int arrays for block tables and positions, recycled by capacity instead of freed:
+    // sequences come and go with every request, and a cudaFree waits for the whole device.
+    // take_ints rounds `capacity` up to a power of two (at least 64) and returns that many ints.
+    int32_t *take_ints(size_t &capacity) const;
+    void give_ints(int32_t *ptr, size_t capacity) const;
     void copy(void *dst, const void *src, size_t bytes, void *stream) const;   // device -> device
     void upload(void *dst, const void *src, size_t bytes, void *stream) const; // host -> device
 
@@ -52,6 +61,7 @@ class Device {
     void activate() const; // makes the CUDA device current
     conduit_backend backend_;
     int32_t ordinal_;
+    mutable std::map<size_t, std::vector<int32_t *>> spare_ints_; // capacity -> recycled arrays
 };
 
 bool backend_compiled(conduit_backend backend);
