@@ -9,8 +9,10 @@
 //      a tile none of the CTA's rows can see is skipped, and a slot no row can see is zero-filled
 //      (its K/V may be garbage or NaN and must not reach the arithmetic).
 //   3. S = Q K^T (ldmatrix from the swizzled K tile), masked per element by position
-//      (positions[slot] <= q_pos), online softmax in fp32, base 2; O += P V with P re-packed from
-//      the S accumulators into A fragments and V read with ldmatrix.trans.
+//      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA
+//      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),
+//      online softmax in fp32, base 2; O += P V with P re-packed from the S accumulators into A
+//      fragments and V read with ldmatrix.trans.
 // A row that sees no key writes zeros and lse = -inf.
 #include <math_constants.h>
 
@@ -26,20 +28,28 @@ template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const A
     return threadIdx.x < MmaShape<kHeadDim>::kKeys && slot < p.n_tokens ? p.positions[slot] : 0;
 }
 
+// What a key tile holds for the CTA's rows: nothing visible (skipped), some slots visible (masked
+// per element), or every slot visible to every row (no mask: most tiles of a causal prefill).
+enum TileView : int { kTileHidden = 0, kTileMasked = 1, kTileOpen = 2 };
+
 // Stores the positions of the tile at tile_start (`pos`, from slot_position) in stage_pos and, when
 // some slot of the tile is visible to the CTA's latest query (max_q_pos), issues the cp.async
 // copies of its K and V rows (zero-filled rows for slots past the end or visible to no row).
-// Returns whether the tile has a visible slot; call from all threads (it contains a barrier).
+// min_q_pos is the CTA's earliest query. Call from all threads (it contains barriers).
 template <typename T, int kHeadDim>
-__device__ __forceinline__ bool load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start, int32_t pos,
-                                          int32_t max_q_pos, uint4 *stage, int32_t *stage_pos) {
+__device__ __forceinline__ TileView load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
+                                              int32_t pos, int32_t max_q_pos, int32_t min_q_pos, uint4 *stage,
+                                              int32_t *stage_pos) {
     using S = MmaShape<kHeadDim>;
-    bool visible = false;
+    bool visible = false, seen_by_all = true;
     if (threadIdx.x < S::kKeys) {
-        visible = tile_start + int32_t(threadIdx.x) < p.n_tokens && pos <= max_q_pos;
+        const bool exists = tile_start + int32_t(threadIdx.x) < p.n_tokens;
+        visible = exists && pos <= max_q_pos;
+        seen_by_all = exists && pos <= min_q_pos;
         stage_pos[threadIdx.x] = pos;
     }
-    if (!__syncthreads_or(visible)) return false;
+    if (!__syncthreads_or(visible)) return kTileHidden;
+    const TileView view = __syncthreads_and(seen_by_all) ? kTileOpen : kTileMasked;
     const T *pool = static_cast<const T *>(p.pool);
     const int32_t block_mask = (1 << p.block_shift) - 1;
 #pragma unroll
@@ -58,7 +68,7 @@ __device__ __forceinline__ bool load_tile(const AttentionParams &p, int32_t kv_h
         cp_async16(stage + dst, k_src, ok);
         cp_async16(stage + S::kTileChunks + dst, ok ? k_src + p.v_delta : pool, ok);
     }
-    return true;
+    return view;
 }
 
 // One warp's rows: which (query, head) each of its two fragment rows (g and g + 8) is.
@@ -102,21 +112,32 @@ __device__ __forceinline__ void load_q(const AttentionParams &p, const WarpRows 
         }
 }
 
-// The latest query position among the CTA's valid rows (all threads get it).
-template <int kHeadDim> __device__ __forceinline__ int32_t cta_max_q_pos(const WarpRows &rows) {
-    __shared__ int32_t warp_max[MmaShape<kHeadDim>::kWarps];
-    int32_t m = INT32_MIN;
+// The latest and the earliest query position among the CTA's valid rows (all threads get them).
+template <int kHeadDim> __device__ __forceinline__ void cta_q_pos_range(const WarpRows &rows, int32_t &lo, int32_t &hi) {
+    __shared__ int32_t warp_lo[MmaShape<kHeadDim>::kWarps], warp_hi[MmaShape<kHeadDim>::kWarps];
+    lo = INT32_MAX;
+    hi = INT32_MIN;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-        if (rows.valid[r]) m = max(m, rows.q_pos[r]);
+        if (rows.valid[r]) {
+            lo = min(lo, rows.q_pos[r]);
+            hi = max(hi, rows.q_pos[r]);
+        }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_lo[threadIdx.x / 32] = lo;
+        warp_hi[threadIdx.x / 32] = hi;
+    }
     __syncthreads();
-    m = INT32_MIN;
 #pragma unroll
-    for (int w = 0; w < MmaShape<kHeadDim>::kWarps; ++w) m = max(m, warp_max[w]);
-    return m;
+    for (int w = 0; w < MmaShape<kHeadDim>::kWarps; ++w) {
+        lo = min(lo, warp_lo[w]);
+        hi = max(hi, warp_hi[w]);
+    }
 }
 
 // Max over the 4 lanes of a quad (the lanes that share a fragment row).
@@ -141,7 +162,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
     const WarpRows rows = warp_rows<kHeadDim>(p, kv_head, first_row);
     uint32_t q_frag[S::kDimSteps][4];
     load_q<kHeadDim>(p, rows, q_frag);
-    const int32_t max_q_pos = cta_max_q_pos<kHeadDim>(rows);
+    int32_t min_q_pos, max_q_pos;
+    cta_q_pos_range<kHeadDim>(rows, min_q_pos, max_q_pos);
+    // Rows past the end of the queries hold q = 0 and are never stored: they need no mask either.
+    const bool all_rows_valid = __syncthreads_and(rows.valid[0] && rows.valid[1]);
+    if (!all_rows_valid) min_q_pos = INT32_MIN; // keep every tile masked: simpler than reasoning about them
 
     float acc[S::kDimTiles][4];
 #pragma unroll
@@ -152,21 +177,23 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
 
     const int32_t n_tiles = (p.n_tokens + S::kKeys - 1) / S::kKeys;
     int32_t pos_ahead = slot_position<kHeadDim>(p, 0);
-    bool live = n_tiles > 0 && load_tile<T, kHeadDim>(p, kv_head, 0, pos_ahead, max_q_pos, mma_smem, pos_smem);
+    TileView view = n_tiles > 0 ? load_tile<T, kHeadDim>(p, kv_head, 0, pos_ahead, max_q_pos, min_q_pos, mma_smem,
+                                                         pos_smem)
+                                : kTileHidden;
     pos_ahead = slot_position<kHeadDim>(p, 1);
     cp_async_commit();
     for (int32_t tile = 0; tile < n_tiles; ++tile) {
-        bool next_live = false;
+        TileView next_view = kTileHidden;
         if (tile + 1 < n_tiles) {
             const int next = (tile + 1) % S::kStages;
-            next_live = load_tile<T, kHeadDim>(p, kv_head, (tile + 1) * S::kKeys, pos_ahead, max_q_pos,
+            next_view = load_tile<T, kHeadDim>(p, kv_head, (tile + 1) * S::kKeys, pos_ahead, max_q_pos, min_q_pos,
                                                mma_smem + next * S::kStageChunks, pos_smem + next * S::kKeys);
             pos_ahead = slot_position<kHeadDim>(p, tile + 2);
         }
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        if (live) {
+        if (view != kTileHidden) {
             const int stage = tile % S::kStages;
             const uint4 *k_tile = mma_smem + stage * S::kStageChunks;
             const uint4 *v_tile = k_tile + S::kTileChunks;
@@ -190,17 +217,28 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
                     mma_m16n8k16<T>(s[2 * n + 1], q_frag[k], b[2], b[3]);
                 }
 
-            // Mask, scale to base 2 and update the running max of both rows.
+            // Mask (unless every slot is visible to every row), scale to base 2 and update the running
+            // max of both rows.
             float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+            if (view == kTileMasked) {
 #pragma unroll
-            for (int n = 0; n < S::kKeyTiles; ++n)
+                for (int n = 0; n < S::kKeyTiles; ++n)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int r = j / 2, key = 8 * n + 2 * t + j % 2;
-                    const bool seen = rows.valid[r] && key < tile_keys && tile_pos[key] <= rows.q_pos[r];
-                    s[n][j] = seen ? s[n][j] * p.scale_log2 : -CUDART_INF_F;
-                    tile_max[r] = fmaxf(tile_max[r], s[n][j]);
-                }
+                    for (int j = 0; j < 4; ++j) {
+                        const int r = j / 2, key = 8 * n + 2 * t + j % 2;
+                        const bool seen = rows.valid[r] && key < tile_keys && tile_pos[key] <= rows.q_pos[r];
+                        s[n][j] = seen ? s[n][j] * p.scale_log2 : -CUDART_INF_F;
+                        tile_max[r] = fmaxf(tile_max[r], s[n][j]);
+                    }
+            } else {
+#pragma unroll
+                for (int n = 0; n < S::kKeyTiles; ++n)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        s[n][j] *= p.scale_log2;
+                        tile_max[j / 2] = fmaxf(tile_max[j / 2], s[n][j]);
+                    }
+            }
             float ref[2], alpha[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -240,7 +278,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
                 }
             }
         }
-        live = next_live;
+        view = next_view;
         __syncthreads(); // the next iteration's copies overwrite this stage
     }
 

@@ -110,6 +110,7 @@ template <typename T> T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 
 }
 
 inline int __syncthreads_or(int pred) { return emu::block_any(pred != 0) ? 1 : 0; }
+inline int __syncthreads_and(int pred) { return emu::block_any(pred == 0) ? 0 : 1; } // all true = none false
 
 inline int __any_sync(unsigned, int pred) { return emu::warp_any(pred != 0) ? 1 : 0; }
 
