@@ -16,6 +16,9 @@
 // A row that sees no key writes zeros and lse = -inf.
 #include <math_constants.h>
 
+#include <cstdlib>
+#include <type_traits>
+
 #include "attention_mma.cuh"
 
 namespace conduit::kernels::cuda {
@@ -36,11 +39,11 @@ enum TileView : int { kTileHidden = 0, kTileMasked = 1, kTileOpen = 2 };
 // some slot of the tile is visible to the CTA's latest query (max_q_pos), issues the cp.async
 // copies of its K and V rows (zero-filled rows for slots past the end or visible to no row).
 // min_q_pos is the CTA's earliest query. Call from all threads (it contains barriers).
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kWarps>
 __device__ __forceinline__ TileView load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
                                               int32_t pos, int32_t max_q_pos, int32_t min_q_pos, uint4 *stage,
                                               int32_t *stage_pos) {
-    using S = MmaShape<kHeadDim>;
+    using S = MmaShape<kHeadDim, kWarps>;
     bool visible = false, seen_by_all = true;
     if (threadIdx.x < S::kKeys) {
         const bool exists = tile_start + int32_t(threadIdx.x) < p.n_tokens;
@@ -113,8 +116,8 @@ __device__ __forceinline__ void load_q(const AttentionParams &p, const WarpRows 
 }
 
 // The latest and the earliest query position among the CTA's valid rows (all threads get them).
-template <int kHeadDim> __device__ __forceinline__ void cta_q_pos_range(const WarpRows &rows, int32_t &lo, int32_t &hi) {
-    __shared__ int32_t warp_lo[MmaShape<kHeadDim>::kWarps], warp_hi[MmaShape<kHeadDim>::kWarps];
+template <int kWarps> __device__ __forceinline__ void cta_q_pos_range(const WarpRows &rows, int32_t &lo, int32_t &hi) {
+    __shared__ int32_t warp_lo[kWarps], warp_hi[kWarps];
     lo = INT32_MAX;
     hi = INT32_MIN;
 #pragma unroll
@@ -134,7 +137,7 @@ template <int kHeadDim> __device__ __forceinline__ void cta_q_pos_range(const Wa
     }
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < MmaShape<kHeadDim>::kWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
         lo = min(lo, warp_lo[w]);
         hi = max(hi, warp_hi[w]);
     }
@@ -150,9 +153,9 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_kernel(const AttentionParams p) {
-    using S = MmaShape<kHeadDim>;
+template <typename T, int kHeadDim, int kWarps>
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
+    using S = MmaShape<kHeadDim, kWarps>;
     extern __shared__ uint4 mma_smem[];
     int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);
     const int32_t lane = threadIdx.x % 32, t = lane % 4;
@@ -163,7 +166,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
     uint32_t q_frag[S::kDimSteps][4];
     load_q<kHeadDim>(p, rows, q_frag);
     int32_t min_q_pos, max_q_pos;
-    cta_q_pos_range<kHeadDim>(rows, min_q_pos, max_q_pos);
+    cta_q_pos_range<kWarps>(rows, min_q_pos, max_q_pos);
     // Rows past the end of the queries hold q = 0 and are never stored: they need no mask either.
     const bool all_rows_valid = __syncthreads_and(rows.valid[0] && rows.valid[1]);
     if (!all_rows_valid) min_q_pos = INT32_MIN; // keep every tile masked: simpler than reasoning about them
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
 
     const int32_t n_tiles = (p.n_tokens + S::kKeys - 1) / S::kKeys;
     int32_t pos_ahead = slot_position<kHeadDim>(p, 0);
-    TileView view = n_tiles > 0 ? load_tile<T, kHeadDim>(p, kv_head, 0, pos_ahead, max_q_pos, min_q_pos, mma_smem,
+    TileView view = n_tiles > 0 ? load_tile<T, kHeadDim, kWarps>(p, kv_head, 0, pos_ahead, max_q_pos, min_q_pos, mma_smem,
                                                          pos_smem)
                                 : kTileHidden;
     pos_ahead = slot_position<kHeadDim>(p, 1);
@@ -186,7 +189,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
         TileView next_view = kTileHidden;
         if (tile + 1 < n_tiles) {
             const int next = (tile + 1) % S::kStages;
-            next_view = load_tile<T, kHeadDim>(p, kv_head, (tile + 1) * S::kKeys, pos_ahead, max_q_pos, min_q_pos,
+            next_view = load_tile<T, kHeadDim, kWarps>(p, kv_head, (tile + 1) * S::kKeys, pos_ahead, max_q_pos, min_q_pos,
                                                mma_smem + next * S::kStageChunks, pos_smem + next * S::kKeys);
             pos_ahead = slot_position<kHeadDim>(p, tile + 2);
         }
@@ -244,7 +247,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
             for (int r = 0; r < 2; ++r) {
                 const float new_max = fmaxf(run_max[r], quad_max(tile_max[r]));
                 ref[r] = new_max == -CUDART_INF_F ? 0.0f : new_max; // nothing seen yet: p = 0
-                alpha[r] = exp2f(run_max[r] - ref[r]);
+                alpha[r] = fast_exp2(run_max[r] - ref[r]);
                 run_max[r] = new_max;
                 run_sum[r] *= alpha[r];
             }
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
                     float *sv = s[2 * k + h];
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
-                        sv[j] = exp2f(sv[j] - ref[j / 2]);
+                        sv[j] = fast_exp2(sv[j] - ref[j / 2]);
                         run_sum[j / 2] += sv[j];
                     }
                     a[2 * h] = pack2<T>(sv[0], sv[1]);
@@ -301,22 +304,23 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads) mma_attention_ke
 }
 
 // Raises the kernel's dynamic shared-memory limit once per device.
-template <typename T, int kHeadDim> void allow_smem() {
+template <typename T, int kHeadDim, int kWarps> void allow_smem() {
     static bool done[64] = {};
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     if (device >= 0 && device < 64 && done[device]) return;
-    CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(&mma_attention_kernel<T, kHeadDim>),
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(MmaShape<kHeadDim>::kSmemBytes)));
+    CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(&mma_attention_kernel<T, kHeadDim, kWarps>),
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(MmaShape<kHeadDim, kWarps>::kSmemBytes)));
     if (device >= 0 && device < 64) done[device] = true;
 }
 
-template <typename T, int kHeadDim> void launch_typed(const AttentionParams &p, cudaStream_t stream) {
-    using S = MmaShape<kHeadDim>;
-    allow_smem<T, kHeadDim>();
+template <typename T, int kHeadDim, int kWarps> void launch_typed(const AttentionParams &p, cudaStream_t stream) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    allow_smem<T, kHeadDim, kWarps>();
     const int64_t n_rows = int64_t(p.n_q) * p.group;
     const dim3 grid{unsigned((n_rows + S::kRows - 1) / S::kRows), unsigned(p.n_kv_heads), 1};
-    mma_attention_kernel<T, kHeadDim><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+    mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     CUDA_CHECK_LAUNCH("mma_attention_kernel");
 }
 
@@ -325,13 +329,27 @@ template <typename T, int kHeadDim> void launch_typed(const AttentionParams &p, 
 void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t stream) {
     require(mma_attention_applies(dtype, p.head_dim, p.n_q, p.group), "shape not supported by the mma attention");
     const bool bf16 = dtype == DType::BF16;
-    if (p.head_dim == 64) {
-        if (bf16) launch_typed<__nv_bfloat16, 64>(p, stream);
-        else launch_typed<__half, 64>(p, stream);
-    } else {
-        if (bf16) launch_typed<__nv_bfloat16, 128>(p, stream);
-        else launch_typed<__half, 128>(p, stream);
-    }
+    const auto launch = [&](auto warps) {
+        constexpr int kWarps = decltype(warps)::value;
+        if (p.head_dim == 64) {
+            if (bf16) launch_typed<__nv_bfloat16, 64, kWarps>(p, stream);
+            else launch_typed<__half, 64, kWarps>(p, stream);
+        } else {
+            if (bf16) launch_typed<__nv_bfloat16, 128, kWarps>(p, stream);
+            else launch_typed<__half, 128, kWarps>(p, stream);
+        }
+    };
+    if (mma_warps() == 8) launch(std::integral_constant<int, 8>{});
+    else launch(std::integral_constant<int, 4>{});
+}
+
+int mma_warps() {
+    static const int warps = [] {
+        const char *env = std::getenv("CONDUIT_MMA_WARPS");
+        const int asked = env ? std::atoi(env) : 0;
+        return asked == 4 || asked == 8 ? asked : kDefaultMmaWarps;
+    }();
+    return warps;
 }
 
 } // namespace conduit::kernels::cuda

@@ -12,10 +12,12 @@ namespace conduit::kernels::cuda {
 
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
 // KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
-// shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions.
-template <int kHeadDim> struct MmaShape {
+// shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
+// warps share each key tile among more rows (fewer loads per FLOP) at the cost of occupancy.
+template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
-    static constexpr int kWarps = 4;
+    static_assert(kWarpCount == 4 || kWarpCount == 8, "4 or 8 warps");
+    static constexpr int kWarps = kWarpCount;
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kRows = 16 * kWarps;
     static constexpr int kKeys = 64;
@@ -82,7 +84,22 @@ __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// 2^x on the special-function unit (ex2.approx, about 2 ulp; -inf gives +0): the softmax weights are
+// rounded to 16 bits for the P V product anyway, and exp2f's exact path costs several instructions
+// per score in a kernel whose non-tensor-core work is the softmax.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+inline float fast_exp2(float x) { return exp2f(x); }
 #endif // CONDUIT_CUDA_EMULATION
+
+// Warps per CTA of the tensor-core attention: CONDUIT_MMA_WARPS=8 or 4 in the environment (read once;
+// for measuring both), else kDefaultMmaWarps.
+constexpr int kDefaultMmaWarps = 4;
+int mma_warps();
 
 // Whether attention.cu should take the tensor-core path for these shapes.
 inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, int32_t group) {
