@@ -339,17 +339,24 @@ void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t st
             else launch_typed<__half, 128, kWarps>(p, stream);
         }
     };
-    if (mma_warps() == 8) launch(std::integral_constant<int, 8>{});
+    if (mma_warps_for(p) == 8) launch(std::integral_constant<int, 8>{});
     else launch(std::integral_constant<int, 4>{});
 }
 
-int mma_warps() {
-    static const int warps = [] {
+// 8 warps (128 rows a CTA) share each key tile among twice the rows, which pays while their CTAs
+// still fill the device twice over: on an H200 a 4K-query prefill chunk ran at 185 TFLOP/s with 8
+// against 173 with 4, while CONDUIT's recompute (884 queries, 224 CTAs of 8 warps) ran at 111
+// against 115 (docs/benchmarks/runs.md, run I).
+int mma_warps_for(const AttentionParams &p) {
+    static const int forced = [] {
         const char *env = std::getenv("CONDUIT_MMA_WARPS");
         const int asked = env ? std::atoi(env) : 0;
-        return asked == 4 || asked == 8 ? asked : kDefaultMmaWarps;
+        return asked == 4 || asked == 8 ? asked : 0;
     }();
-    return warps;
+    if (forced) return forced;
+    const int64_t rows = int64_t(p.n_q) * p.group;
+    const int64_t ctas_of_8 = (rows + MmaShape<64, 8>::kRows - 1) / MmaShape<64, 8>::kRows * p.n_kv_heads;
+    return ctas_of_8 >= 2 * int64_t(sm_count()) ? 8 : 4;
 }
 
 } // namespace conduit::kernels::cuda

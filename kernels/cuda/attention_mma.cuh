@@ -96,10 +96,9 @@ __device__ __forceinline__ float fast_exp2(float x) {
 inline float fast_exp2(float x) { return exp2f(x); }
 #endif // CONDUIT_CUDA_EMULATION
 
-// Warps per CTA of the tensor-core attention: CONDUIT_MMA_WARPS=8 or 4 in the environment (read once;
-// for measuring both), else kDefaultMmaWarps.
-constexpr int kDefaultMmaWarps = 4;
-int mma_warps();
+// Warps per CTA of the tensor-core attention for p (4 or 8, see attention_mma.cu);
+// CONDUIT_MMA_WARPS=4 or 8 in the environment forces one (read once; for measuring both).
+int mma_warps_for(const AttentionParams &p);
 
 // Whether attention.cu should take the tensor-core path for these shapes.
 inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, int32_t group) {
