@@ -55,14 +55,17 @@ def _int32_host(values: Iterable[int] | torch.Tensor, what: str):
             raise InvalidArgumentError(f"{what} must be a 1-D integer tensor, got {values.dtype} {list(values.shape)}")
         array = values.detach().cpu().numpy()
     else:
-        array = np.asarray(values if isinstance(values, (list, tuple, np.ndarray)) else list(values))
-        if array.size and (array.ndim != 1 or array.dtype.kind not in "iub"):
+        values = values if isinstance(values, (list, tuple, np.ndarray)) else list(values)
+        array = np.asarray(values)
+        if array.size and array.dtype.kind not in "iub":  # ints given as other objects (numpy or torch scalars)
+            array = np.asarray([int(v) for v in values], dtype=np.int64)
+        if array.ndim != 1:
             raise InvalidArgumentError(f"{what} must be a flat list of ints")
     if array.size == 0:
         return native.ffi().NULL, 0
-    wide = array.astype(np.int64, copy=False)
-    if wide.min() < -(2**31) or wide.max() >= 2**31:
+    if int(array.min()) < -(2**31) or int(array.max()) >= 2**31:  # before any cast that could wrap
         raise InvalidArgumentError(f"{what} holds a value outside int32")
+    wide = array.astype(np.int64, copy=False)
     narrow = np.ascontiguousarray(wide, dtype=np.int32)
     return native.ffi().from_buffer("int32_t[]", narrow), int(narrow.size)  # the cdata keeps `narrow` alive
 
@@ -417,7 +420,8 @@ class DecodeStep(_Child):
     The step offers the two calls a decoder layer makes on a ``Sequence``, so a model's forward runs
     over a step as it runs over one sequence. Row i of every tensor is sequence i of the last
     ``prepare``: K, V ``[n_seqs, n_kv_heads, head_dim]``, queries and output ``[n_seqs, n_heads,
-    head_dim]``, RoPE positions int32 ``[n_seqs]`` or ``[3, n_seqs]``.
+    head_dim]``, RoPE positions int32 ``[n_seqs]`` or ``[3, n_seqs]``. A captured graph launches for
+    the number of sequences prepared at capture: replay it only after a ``prepare`` of as many.
     """
 
     def __init__(self, arena: KVArena, handle, max_seqs: int, max_tokens: int, n_heads: int) -> None:

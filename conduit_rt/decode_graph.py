@@ -101,8 +101,8 @@ class GraphedDecoder:
             self._graph, self._logits = graph, logits
         except ArenaFullError:  # no room for the scratch token now: this step runs eagerly, capture later
             logger.debug("decode graph capture postponed: the arena is full")
-        except RuntimeError as e:  # an op that cannot be captured: decode eagerly from now on
-            logger.warning("decode step not captured in a CUDA graph, running eagerly: %s", e)
+        except Exception as e:  # noqa: BLE001 (an op that cannot be captured, or out of memory: decode eagerly)
+            logger.warning("decode step not captured in a CUDA graph, running eagerly from now on: %s", e)
             self._capture_failed = True
         finally:
             torch.cuda.current_stream(self.arena.device).synchronize()  # the warm-up used the scratch blocks

@@ -190,3 +190,48 @@ def test_cyclic_garbage_frees_each_native_object_once() -> None:
         arena.holder = holder
         del arena, seq, step, holder
         gc.collect()
+
+
+def test_a_block_shared_by_two_sequences_of_one_step_is_copied_once_and_nothing_leaks() -> None:
+    """A fork and its parent truncated into the same shared partial block, stepped together: the first
+    copy leaves the other its sole owner, and the block counted for the second goes back to the pool."""
+    gen = torch.Generator().manual_seed(6)
+    arena = make_arena("cpu", torch.float32)
+    total = arena.stats().n_blocks_free
+    parent = filled(arena, 2 * BLOCK, gen)
+    child = parent.fork()
+    for seq in (parent, child):
+        seq.truncate(BLOCK + 4)  # both now end in the same shared, partial second block
+    step = arena.new_step(max_seqs=2, max_tokens=64, n_heads=N_HEADS)
+    step.prepare([parent, child], [100, 100])
+    k = torch.randn(2, N_KV, HEAD_DIM, generator=gen)
+    step.write_kv(0, k, k)
+    assert torch.equal(parent.read_kv(0)[0][-1], k[0]) and torch.equal(child.read_kv(0)[0][-1], k[1])
+    parent.free()
+    child.free()
+    step.free()
+    assert arena.stats().n_blocks_free == total
+
+
+def test_int_lists_of_any_integer_kind_and_out_of_range_values() -> None:
+    import numpy as np
+
+    arena = make_arena("cpu", torch.float32)
+    seq = arena.new_sequence()
+    seq.append([np.int64(0), torch.tensor(1), 2])
+    seq.append(np.array([3, 4], dtype=np.uint16))
+    assert seq.positions().tolist() == [0, 1, 2, 3, 4]
+    for bad in ([2**31], np.array([2**63], dtype=np.uint64), [-(2**31) - 1]):
+        with pytest.raises(InvalidArgumentError, match="outside int32"):
+            seq.append(bad)
+    assert seq.n_tokens() == 5
+
+
+def test_rotary_tables_under_inference_mode() -> None:
+    from conduit_rt.models.rope import RopeConfig, RotaryEmbedding, apply_rope
+
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=64), "cpu")
+    with torch.inference_mode():
+        x = torch.randn(2, 4, 64)
+        positions = torch.tensor([3, 9], dtype=torch.int32)
+        torch.testing.assert_close(rotary.apply(x, positions), apply_rope(x, positions, rotary.inv_freq))

@@ -76,12 +76,12 @@ class KernelBench:
 
     # -- decode ---------------------------------------------------------------------------------
     def stepped(self, arena: KVArena, n: int, batch: int):
-        """``batch`` sequences of n tokens, the last appended by a ``DecodeStep`` of capacity n (as a
-        decode step does). Returns (step, seqs, k, v) with k, v [batch, n, n_kv_heads, head_dim]."""
+        """``batch`` sequences of n tokens, the last appended by a ``DecodeStep`` (as a decode step does;
+        capacity n + 1: room for one more). Returns (step, seqs, k, v), k, v [batch, n, n_kv_heads, head_dim]."""
         s = self.s
         filled = [self.filled(arena, n - 1) for _ in range(batch)]
         seqs = [f[0] for f in filled]
-        step = arena.new_step(batch, n, s.n_heads)
+        step = arena.new_step(batch, n + 1, s.n_heads)
         step.prepare(seqs, [n - 1] * batch)
         k_new, v_new = (self.randn(batch, s.n_kv_heads, s.head_dim) for _ in range(2))
         step.write_kv(0, k_new, v_new)

@@ -143,6 +143,9 @@ class RotaryEmbedding:
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE); one kernel
         on CUDA (``fused.rotate``)."""
+        if positions.is_inference():  # no version counter to key a cache on: compute the tables each call
+            return fused.rotate(x, *rope_tables(positions, self.inv_freq, self.attention_scaling,
+                                                self.config.sections, x.dtype))
         cached = self._tables_of
         if cached is None or cached[0] is not positions or cached[1] != positions._version or cached[2] != x.dtype:
             self._tables = rope_tables(positions, self.inv_freq, self.attention_scaling, self.config.sections, x.dtype)

@@ -23,7 +23,8 @@
  *  - Slot lists are host memory (checked before any work is enqueued); RoPE positions and query
  *    positions are device memory (they come from the model's forward pass).
  *  - `stream` is a cudaStream_t for the CUDA backend (NULL: the legacy default stream) and is
- *    ignored by the CPU backend. Kernels are enqueued on it; the caller synchronizes.
+ *    ignored by the CPU backend. Kernels are enqueued on it; the caller synchronizes. Use one stream
+ *    for all calls on one arena: the arena reuses its scratch and table memory in stream order.
  *  - A "slot" is the index of a token within one layer of a sequence, in [0, n_tokens(layer)).
  *    Slots are dense and ordered by insertion; compaction renumbers them. A token's "position" is
  *    its causal position, stored per slot: a key is visible to a query when key_pos <= query_pos.

@@ -135,6 +135,8 @@ kernels::LayerView conduit_arena::view(LayerTable &table, void *stream) {
     return v;
 }
 
+void conduit_arena::reserve_upload(size_t n_ints) { scratch.get(device, (n_ints * sizeof(int32_t) + 255) / 256 * 256); }
+
 kernels::Rope conduit_arena::rope_for(const int32_t *rope_pos) const {
     if (!rope_pos) return kernels::Rope{};
     CONDUIT_REQUIRE(rope.type != CONDUIT_ROPE_NONE,

@@ -120,6 +120,9 @@ struct conduit_arena {
     // (null for a null list). Valid until the next call that uses the scratch.
     std::vector<const int32_t *> upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,
                                              size_t extra_bytes, void **extra, void *stream);
+    // Grows the scratch now so that a later upload_ints of one list of up to n ints cannot fail on
+    // allocation (for operations that must not fail after they changed something).
+    void reserve_upload(size_t n_ints);
 
     bool evict_one_image(); // false when nothing is evictable
     void free_image_entry(conduit::ImageEntry *entry);

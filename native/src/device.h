@@ -25,7 +25,9 @@ class Device {
     void *alloc(size_t bytes) const; // throws Error(OUT_OF_MEMORY)
     void free(void *ptr) const;
     // Device int arrays for block tables and positions, recycled by capacity instead of freed:
-    // sequences come and go with every request, and a cudaFree waits for the whole device.
+    // sequences come and go with every request, and a cudaFree waits for the whole device. A
+    // recycled array is reused without waiting: safe because an arena's work is ordered on one
+    // stream (conduit.h), so kernels that read the old table run before the new one is uploaded.
     // take_ints rounds `capacity` up to a power of two (at least 64) and returns that many ints.
     int32_t *take_ints(size_t &capacity) const;
     void give_ints(int32_t *ptr, size_t capacity) const;

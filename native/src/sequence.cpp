@@ -237,6 +237,9 @@ void seqs_append_step(conduit_seq *const *seqs, const conduit_pos *positions, in
             t.append_positions(&positions[i], 1);
         }
     }
+    // Two sequences of the batch may share one partial block: the first one's copy leaves the second
+    // its sole owner, and the block counted for the second is not needed.
+    arena->release_blocks(fresh);
 }
 
 void seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream) {

@@ -34,16 +34,15 @@ namespace conduit {
 namespace {
 
 // Appends to `pairs` an (index, value) patch for each entry of `want` that differs from the mirror at
-// `offset`, and updates the mirror. Rows are compared with memcmp first: most are unchanged.
-void diff_into(std::vector<int32_t> &mirror, int64_t offset, const int32_t *want, size_t n,
+// `offset`. Rows are compared with memcmp first: most are unchanged.
+void diff_into(const std::vector<int32_t> &mirror, int64_t offset, const int32_t *want, size_t n,
                std::vector<int32_t> &pairs) {
-    int32_t *have = mirror.data() + offset;
+    const int32_t *have = mirror.data() + offset;
     if (n == 0 || std::memcmp(have, want, n * sizeof(int32_t)) == 0) return;
     for (size_t j = size_t(std::mismatch(have, have + n, want).first - have); j < n; ++j) {
         if (have[j] == want[j]) continue;
         pairs.push_back(int32_t(offset + int64_t(j)));
         pairs.push_back(want[j]);
-        have[j] = want[j];
     }
 }
 
@@ -104,12 +103,18 @@ void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, 
         CONDUIT_REQUIRE(seqs[i]->arena == step->arena, "sequence %d belongs to another arena", i);
         CONDUIT_REQUIRE(distinct.insert(seqs[i]).second, "sequence %d is given twice", i);
     }
+    // Nothing may fail once the sequences changed: reserve the upload of the largest patch list first
+    // (every block of every table, one more for this token, and every length).
+    const int32_t n_layers = step->arena->params.n_layers;
+    size_t most_pairs = 0;
+    for (int32_t i = 0; i < n_seqs; ++i)
+        for (const auto &layer : seqs[i]->layers) most_pairs += layer->blocks.host().size() + 2;
+    step->arena->reserve_upload(2 * most_pairs);
     seqs_append_step(seqs, positions, n_seqs, step->max_tokens, stream);
 
     // Patch the device mirror: the rows that changed (a new block, a copy-on-write, a compaction
     // between steps) and every length.
     std::vector<int32_t> pairs;
-    const int32_t n_layers = step->arena->params.n_layers;
     for (int32_t l = 0; l < n_layers; ++l) {
         for (int32_t i = 0; i < n_seqs; ++i) {
             const LayerTable &t = *seqs[i]->layers[size_t(l)];
@@ -124,6 +129,7 @@ void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, 
         const int32_t *device_pairs = step->arena->upload_ints({{pairs.data(), int32_t(pairs.size())}}, 0, nullptr,
                                                                stream)[0];
         step->arena->device.scatter_ints(step->state, device_pairs, n_pairs, stream);
+        for (size_t j = 0; j < pairs.size(); j += 2) step->mirror[size_t(pairs[j])] = pairs[j + 1];
     }
     step->n_seqs = n_seqs;
 }
