@@ -448,9 +448,10 @@ class Runtime:
         from a CUDA graph when there is one and no layer observer needs the eager path."""
         if self.graphed_decoder is not None and capture is None:
             return self.graphed_decoder.step(seq, token, position, rope_position)
-        positions = torch.tensor([position], dtype=torch.int32, device=self.device)
+        # full_ writes the scalars on the device (no blocking host-to-device copy)
+        positions = torch.full((1,), position, dtype=torch.int32, device=self.device)
         seq.append([position])
-        embeds = self.model.embed_tokens(torch.tensor([token], dtype=torch.long, device=self.device))
+        embeds = self.model.embed_tokens(torch.full((1,), token, dtype=torch.long, device=self.device))
         rows = (3, 1) if self.model.config.rope.sections else (1,)
         rope = torch.full(rows, rope_position, dtype=torch.int32, device=self.device)
         hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope), capture)
