@@ -67,17 +67,35 @@ void check_slots(const LayerTable &t, const int32_t *slots, int32_t n) {
     }
 }
 
-// Prepares the destination of a write of n tokens: checks the slots, resolves copy-on-write, uploads
-// the slot list. Throws before changing anything.
-kernels::Slots prepare_write(conduit_seq *seq, LayerTable &t, int32_t n, const int32_t *slots, void *stream) {
+// Prepares the destination of a write of n tokens into layers [first, first + count), the same slots in
+// each (host, or NULL: the last n, which needs every layer of the range to hold as many tokens):
+// checks the layer range and the slots, then gives each layer its own copy of every shared block the
+// write touches. Throws before changing anything. Returns the token count of the range's layers
+// (each, when slots is NULL), from which the last-n base follows.
+int32_t prepare_write(conduit_seq *seq, int32_t first, int32_t count, int32_t n, const int32_t *slots, void *stream) {
     conduit_arena *arena = seq->arena;
-    CONDUIT_REQUIRE(n >= 0 && n <= t.n_tokens(), "cannot write %d tokens into a layer of %d", n, t.n_tokens());
-    check_slots(t, slots, n);
-    const auto touched = touched_blocks(t, slots, n, arena->params.block_size);
-    std::vector<int32_t> fresh = arena->take_blocks(count_shared(arena, t, touched));
-    make_exclusive(arena, t, touched, fresh, true, stream);
-    if (!slots) return kernels::Slots{nullptr, t.n_tokens() - n};
-    return kernels::Slots{arena->upload_ints({{slots, n}}, 0, nullptr, stream)[0], 0};
+    const int32_t total = int32_t(seq->layers.size());
+    CONDUIT_REQUIRE(first >= 0 && count >= 1 && first <= total - count, "layers [%d, %d + %d) out of range [0, %d)",
+                    first, first, count, total);
+    // The slot list is shared by the layers: checking it against the one with the fewest tokens
+    // covers them all.
+    const LayerTable *fewest = seq->layers[size_t(first)].get();
+    for (int32_t j = 0; j < count; ++j) {
+        const LayerTable &t = *seq->layers[size_t(first + j)];
+        CONDUIT_REQUIRE(n >= 0 && n <= t.n_tokens(), "cannot write %d tokens into layer %d of %d", n, first + j,
+                        t.n_tokens());
+        CONDUIT_REQUIRE(slots || t.n_tokens() == fewest->n_tokens(),
+                        "slots is NULL but the layers hold different numbers of tokens (%d and %d)", t.n_tokens(),
+                        fewest->n_tokens());
+        if (t.n_tokens() < fewest->n_tokens()) fewest = &t;
+    }
+    check_slots(*fewest, slots, n);
+    const std::set<int64_t> touched = touched_blocks(*fewest, slots, n, arena->params.block_size); // same in every layer
+    int64_t n_shared = 0;
+    for (int32_t j = 0; j < count; ++j) n_shared += count_shared(arena, *seq->layers[size_t(first + j)], touched);
+    std::vector<int32_t> fresh = arena->take_blocks(n_shared); // the last step that can fail
+    for (int32_t j = 0; j < count; ++j) make_exclusive(arena, *seq->layers[size_t(first + j)], touched, fresh, true, stream);
+    return fewest->n_tokens();
 }
 
 // Keeps the given (validated, strictly increasing) slots of a layer. `fresh` holds enough reserved
@@ -281,9 +299,12 @@ void seq_write_kv(conduit_seq *seq, int32_t layer, int32_t n, const void *k, con
     LayerTable &t = layer_of(seq, layer);
     if (n == 0) return;
     CONDUIT_REQUIRE(k && v, "k and v must not be NULL");
-    const kernels::Rope rope = seq->arena->rope_for(rope_pos);
-    const kernels::Slots dst_slots = prepare_write(seq, t, n, slots, stream);
-    seq->arena->device.write_dense(seq->arena->view(t, stream), dst_slots, n, k, v, rope, rope_pos, stream);
+    conduit_arena *arena = seq->arena;
+    const kernels::Rope rope = arena->rope_for(rope_pos);
+    const int32_t n_tokens = prepare_write(seq, layer, 1, n, slots, stream);
+    const kernels::Slots dst_slots = slots ? kernels::Slots{arena->upload_ints({{slots, n}}, 0, nullptr, stream)[0], 0}
+                                           : kernels::Slots{nullptr, n_tokens - n};
+    arena->device.write_dense(arena->view(t, stream), dst_slots, n, k, v, rope, rope_pos, stream);
 }
 
 void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
@@ -303,24 +324,7 @@ void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
     const int32_t n = int32_t(n_total);
     if (n == 0 || n_layers == 0) return;
     const kernels::Rope rope = arena->rope_for(rope_pos);
-
-    // Check every layer before changing any. The slot list is shared by the layers: checking it against
-    // the layer with the fewest tokens covers them all.
-    const LayerTable *fewest = seq->layers[size_t(first_layer)].get();
-    for (int32_t j = 0; j < n_layers; ++j) {
-        const LayerTable &t = *seq->layers[size_t(first_layer + j)];
-        CONDUIT_REQUIRE(n <= t.n_tokens(), "cannot write %d tokens into layer %d of %d", n, first_layer + j,
-                        t.n_tokens());
-        CONDUIT_REQUIRE(slots || t.n_tokens() == fewest->n_tokens(),
-                        "slots is NULL but the layers hold different numbers of tokens (%d and %d)", t.n_tokens(),
-                        fewest->n_tokens());
-        if (t.n_tokens() < fewest->n_tokens()) fewest = &t;
-    }
-    check_slots(*fewest, slots, n);
-    const std::set<int64_t> touched = touched_blocks(*fewest, slots, n, bs); // same blocks in every layer
-    int64_t n_shared = 0;
-    for (int32_t j = 0; j < n_layers; ++j) n_shared += count_shared(arena, *seq->layers[size_t(first_layer + j)], touched);
-    std::vector<int32_t> fresh = arena->take_blocks(n_shared); // the last step that can fail
+    const int32_t n_tokens = prepare_write(seq, first_layer, n_layers, n, slots, stream); // checks, copy-on-write
 
     // Source: the entries' block tables side by side, one row per layer. Entry m starts at a block
     // boundary (block offset first_block[m]), so token i of it is "virtual slot" first_block[m] * bs + i.
@@ -339,9 +343,7 @@ void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
             const auto &blocks = image->layers[size_t(first_layer + j)]->blocks.host();
             out = std::copy(blocks.begin(), blocks.begin() + blocks_for(image->n_tokens, bs), out);
         }
-        LayerTable &t = *seq->layers[size_t(first_layer + j)];
-        make_exclusive(arena, t, touched, fresh, true, stream);
-        dst_stride = std::max<int64_t>(dst_stride, int64_t(t.blocks.host().size()));
+        dst_stride = std::max<int64_t>(dst_stride, int64_t(seq->layers[size_t(first_layer + j)]->blocks.host().size()));
     }
     // Destination: the layers' block tables, one row per layer (padding is never read).
     std::vector<int32_t> dst_tables(size_t(n_layers * dst_stride), 0);
@@ -364,7 +366,7 @@ void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
     kernels::LayerView dst = src;
     src.block_table = lists[0];
     dst.block_table = lists[2];
-    const kernels::Slots dst_slots = slots ? kernels::Slots{lists[3], 0} : kernels::Slots{nullptr, fewest->n_tokens() - n};
+    const kernels::Slots dst_slots = slots ? kernels::Slots{lists[3], 0} : kernels::Slots{nullptr, n_tokens - n};
     arena->device.copy_paged_layers(src, kernels::Slots{lists[1], 0}, src_stride, dst, dst_slots, dst_stride, n_layers,
                                     n, rope, rope_pos, stream);
 }
