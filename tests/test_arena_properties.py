@@ -3,7 +3,9 @@
 The model keeps, per live sequence and layer, the list of (position, K row, V row). After every step
 each sequence's KV read back from the arena must equal the model (so a write to a fork never shows
 in the sequence it was forked from), block counts must be exact, and at teardown every block must be
-back in the pool.
+back in the pool. Decode steps over a few of the sequences at once run among the other operations,
+so that the step's device tables must follow forks, truncations, compactions and frees; their
+attention is checked against a float64 reference over the model.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from conduit_rt.arena import KVArena
 from conduit_rt.errors import ArenaFullError
 
+from . import reference
+
 N_LAYERS, N_KV, HEAD_DIM, BLOCK = 2, 1, 8, 4
 N_BLOCKS = 48
+STEP_SEQS, STEP_TOKENS, STEP_HEADS = 3, 40, 2
 
 
 class ArenaMachine(RuleBasedStateMachine):
@@ -28,6 +33,7 @@ class ArenaMachine(RuleBasedStateMachine):
         self.model: list = []   # per sequence: per layer: list of (pos, k [N_KV, D], v [N_KV, D])
         self.images: dict[bytes, torch.Tensor] = {}  # committed image key -> K (pre-RoPE) of layer 0
         self.counter = 0
+        self.step = self.arena.new_step(STEP_SEQS, STEP_TOKENS, STEP_HEADS)
 
     def fresh(self, n: int) -> torch.Tensor:
         self.counter += 1
@@ -128,6 +134,31 @@ class ArenaMachine(RuleBasedStateMachine):
         entry.commit()
         entry.release()
         self.images[key] = k
+
+    @precondition(lambda self: self.seqs)
+    @rule(picks=st.lists(st.integers(0, 5), min_size=1, max_size=STEP_SEQS, unique=True))
+    def decode_step(self, picks: list[int]) -> None:
+        chosen = sorted({i % len(self.seqs) for i in picks})
+        if any(len(layer) + 1 > STEP_TOKENS for i in chosen for layer in self.model[i]):
+            return  # past the step's capacity
+        positions = [max((p for layer in self.model[i] for p, _, _ in layer), default=-1) + 1 for i in chosen]
+        try:
+            self.step.prepare([self.seqs[i] for i in chosen], positions)
+        except ArenaFullError:
+            return
+        scale = HEAD_DIM**-0.5
+        for layer in range(N_LAYERS):
+            k, v = self.fresh(len(chosen)), self.fresh(len(chosen))
+            self.step.write_kv(layer, k, v)
+            q = self.fresh(len(chosen) * STEP_HEADS).reshape(len(chosen), STEP_HEADS, HEAD_DIM)
+            out = self.step.attention(layer, q, None, scale)
+            for j, i in enumerate(chosen):
+                self.model[i][layer].append((positions[j], k[j], v[j]))
+                rows = self.model[i][layer]
+                want, _ = reference.attention(q[j:j + 1], torch.stack([r[1] for r in rows]),
+                                              torch.stack([r[2] for r in rows]), torch.tensor([positions[j]]),
+                                              torch.tensor([r[0] for r in rows]), scale)
+                torch.testing.assert_close(out[j:j + 1].double(), want, atol=1e-5, rtol=1e-5)
 
     @invariant()
     def contents_match_the_model(self) -> None:
