@@ -46,6 +46,13 @@ void diff_into(const std::vector<int32_t> &mirror, int64_t offset, const int32_t
     }
 }
 
+// The checks every step kernel shares: a layer of the arena, and a prepared step.
+void require_prepared(const conduit_step *step, int32_t layer) {
+    const int32_t n_layers = step->arena->params.n_layers;
+    CONDUIT_REQUIRE(layer >= 0 && layer < n_layers, "layer %d out of range [0, %d)", layer, n_layers);
+    CONDUIT_REQUIRE(step->n_seqs > 0, "the step was not prepared (call conduit_step_prepare first)");
+}
+
 } // namespace
 
 conduit_step *step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_tokens, int32_t n_heads, void *stream) {
@@ -137,9 +144,7 @@ void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, 
 void step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v, const int32_t *rope_pos,
                    void *stream) {
     conduit_arena *arena = step->arena;
-    CONDUIT_REQUIRE(layer >= 0 && layer < arena->params.n_layers, "layer %d out of range [0, %d)", layer,
-                    arena->params.n_layers);
-    CONDUIT_REQUIRE(step->n_seqs > 0, "the step was not prepared (call conduit_step_prepare first)");
+    require_prepared(step, layer);
     CONDUIT_REQUIRE(k && v, "k and v must not be NULL");
     arena->device.write_last(step->layer_view(layer), k, v, arena->rope_for(rope_pos), rope_pos, stream);
 }
@@ -147,9 +152,7 @@ void step_write_kv(conduit_step *step, int32_t layer, const void *k, const void 
 void step_attention(conduit_step *step, int32_t layer, const void *q, float scale, void *out, float *lse,
                     void *stream) {
     conduit_arena *arena = step->arena;
-    CONDUIT_REQUIRE(layer >= 0 && layer < arena->params.n_layers, "layer %d out of range [0, %d)", layer,
-                    arena->params.n_layers);
-    CONDUIT_REQUIRE(step->n_seqs > 0, "the step was not prepared (call conduit_step_prepare first)");
+    require_prepared(step, layer);
     CONDUIT_REQUIRE(q && out, "q and out must not be NULL");
     arena->device.batch_attention(step->layer_view(layer), step->n_heads, q, scale, out, lse, step->workspace,
                                   step->workspace_bytes, stream);

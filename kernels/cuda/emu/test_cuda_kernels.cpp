@@ -237,6 +237,25 @@ template <typename A, typename B> bool same_values(const A &a, const B &b, size_
 #endif
 }
 
+// A RoPE of the given type (0 none, 1 rotate-half, 2 M-RoPE with uneven sections) over a random number
+// of frequencies of head_dim d; inv_freq receives the frequencies the returned Rope points at.
+kc::Rope random_rope(int rope_type, int d, float scaling, Buf<float> &inv_freq) {
+    const int n_freq = rope_type ? randint(1, d / 2) : 0;
+    inv_freq.clear();
+    for (int i = 0; i < n_freq; ++i) inv_freq.push_back(std::pow(10000.0f, -float(i) / float(std::max(n_freq, 1))));
+    kc::Rope rope;
+    rope.type = rope_type;
+    rope.n_freq = n_freq;
+    rope.inv_freq = inv_freq.data();
+    rope.scaling = scaling;
+    if (rope_type == 2) {
+        rope.sections[0] = n_freq / 4;
+        rope.sections[1] = (n_freq - rope.sections[0]) / 2;
+        rope.sections[2] = n_freq - rope.sections[0] - rope.sections[1];
+    }
+    return rope;
+}
+
 // write_dense, copy_paged (with and without RoPE) and read_dense must match the CPU (same_values).
 void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, bool use_slots, bool unaligned) {
     const size_t es = kc::dtype_size(dtype);
@@ -252,19 +271,8 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
     std::shuffle(slots.begin(), slots.end(), rng);
     for (auto &s : slots) s += 7;
     const kc::Slots dst_slots = use_slots ? kc::Slots{slots.data(), 0} : kc::Slots{nullptr, 7};
-    const int n_freq = rope_type ? randint(1, d / 2) : 0;
     Buf<float> inv_freq;
-    for (int i = 0; i < n_freq; ++i) inv_freq.push_back(std::pow(10000.0f, -float(i) / float(std::max(n_freq, 1))));
-    kc::Rope rope;
-    rope.type = rope_type;
-    rope.n_freq = n_freq;
-    rope.inv_freq = inv_freq.data();
-    rope.scaling = rope_type == 2 ? 1.0f : 0.9f;
-    if (rope_type == 2) {
-        rope.sections[0] = n_freq / 4;
-        rope.sections[1] = (n_freq - rope.sections[0]) / 2;
-        rope.sections[2] = n_freq - rope.sections[0] - rope.sections[1];
-    }
+    const kc::Rope rope = random_rope(rope_type, d, rope_type == 2 ? 1.0f : 0.9f, inv_freq);
     Buf<int32_t> rope_pos;
     for (int i = 0; i < 3 * n; ++i) rope_pos.push_back(randint(0, 5000));
     const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
@@ -383,18 +391,8 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     cpu_view.pool = cpu_pool.data();
     gpu_view.pool = gpu_pool.data();
 
-    const int n_freq = rope_type ? randint(1, d / 2) : 0;
     Buf<float> inv_freq;
-    for (int i = 0; i < n_freq; ++i) inv_freq.push_back(std::pow(10000.0f, -float(i) / float(std::max(n_freq, 1))));
-    kc::Rope rope;
-    rope.type = rope_type;
-    rope.n_freq = n_freq;
-    rope.inv_freq = inv_freq.data();
-    if (rope_type == 2) {
-        rope.sections[0] = n_freq / 2;
-        rope.sections[1] = n_freq / 4;
-        rope.sections[2] = n_freq - rope.sections[0] - rope.sections[1];
-    }
+    const kc::Rope rope = random_rope(rope_type, d, 1.0f, inv_freq);
     Buf<int32_t> rope_pos;
     for (int i = 0; i < 3 * n_seqs; ++i) rope_pos.push_back(randint(0, 5000));
     const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
