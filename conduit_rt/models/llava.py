@@ -82,8 +82,8 @@ class LlavaModel(ArenaVisionLanguageModel):
 
     def prepare_image(self, rgb: np.ndarray) -> PreparedImage:
         self._require_vision()
-        pixels = torch.from_numpy(self.assets.preprocess.preprocess(rgb))  # [3, crop_h, crop_w] float32
-        return PreparedImage(pixel_values=pixels, n_tokens=self.config.tokens_per_image)
+        # pixel_values: [3, crop_h, crop_w] float32, computed when the tower needs them
+        return PreparedImage(self.config.tokens_per_image, self.assets.preprocess.preprocess, rgb)
 
     @torch.no_grad()
     def encode_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:

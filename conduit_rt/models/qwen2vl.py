@@ -81,8 +81,7 @@ class Qwen2VLModel(ArenaVisionLanguageModel):
         self._require_vision()
         params = self.assets.preprocess
         grid = params.grid_thw(rgb.shape[0], rgb.shape[1])
-        pixels = torch.from_numpy(params.preprocess(rgb))
-        return PreparedImage(pixel_values=pixels, n_tokens=int(np.prod(grid)) // self.merge_size**2, grid_thw=grid)
+        return PreparedImage(int(np.prod(grid)) // self.merge_size**2, params.preprocess, rgb, grid_thw=grid)
 
     @torch.no_grad()
     def encode_images(self, images: Sequence[PreparedImage]) -> list[torch.Tensor]:
