@@ -96,3 +96,29 @@ def test_rotary_tables_follow_in_place_position_writes(device):
     moved = rotary.apply(x, positions)
     torch.testing.assert_close(moved, apply_rope(x, positions, rotary.inv_freq))
     assert not torch.equal(moved, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_out,n_in", [(4096, 4096), (12288, 4096), (4096, 11008), (37, 100), (5, 8192)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_single_row_linear_matches_a_float64_product(dtype, n_out, n_in, with_bias):
+    """The Triton GEMV (one row) against the float64 product: within the dtype's rounding of the
+    result plus a float32 sum's error, like F.linear's own; odd sizes take the masked tails."""
+    x, weight = randn(1, n_in, dtype=dtype), randn(n_out, n_in, dtype=dtype, scale=n_in**-0.5)
+    bias = randn(n_out, dtype=dtype) if with_bias else None
+    got = fused.linear(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == dtype and got.shape == (1, n_out)
+    torch.testing.assert_close(got.double(), want, rtol=ULP[dtype], atol=ULP[dtype] * 0.05)
+    cublas = F.linear(x, weight, bias)  # no further from the truth than cuBLAS, beyond one rounding
+    assert (got.double() - want).abs().max() <= (cublas.double() - want).abs().max() + ULP[dtype] * want.abs().max()
+
+
+@pytest.mark.gpu
+def test_several_rows_and_non_contiguous_inputs_take_torch():
+    weight = randn(64, 32, dtype=torch.bfloat16)
+    rows = randn(3, 32, dtype=torch.bfloat16)
+    assert torch.equal(fused.linear(rows, weight), F.linear(rows, weight))
+    column = randn(32, 2, dtype=torch.bfloat16)[:, :1].t()  # [1, 32] with a stride of 2
+    assert torch.equal(fused.linear(column, weight), F.linear(column, weight))

@@ -141,6 +141,26 @@ def test_chunked_prefill_and_decode_steps_equal_one_shot(model, reference, proce
     torch.testing.assert_close(torch.cat(chunks), one_shot, rtol=0, atol=1e-5 * one_shot.abs().max().item())
 
 
+def test_stacked_projections_are_views_holding_the_checkpoint_weights(model, reference):
+    """Decode steps read q/k/v and gate/up as one tensor each; the parameters are views of it, hold
+    transformers' values and keep its names."""
+    theirs = reference.model.language_model.layers
+    for ours, layer in zip(model.language_model.layers, theirs):
+        attn, mlp = ours.self_attn, ours.mlp
+        for stack, parts, reference_parts in (
+            (attn.qkv_weight, [attn.q_proj, attn.k_proj, attn.v_proj],
+             [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+            (mlp.gate_up_weight, [mlp.gate_proj, mlp.up_proj], [layer.mlp.gate_proj, layer.mlp.up_proj]),
+        ):
+            assert torch.equal(stack, torch.cat([linear.weight for linear in reference_parts]))
+            rows = 0
+            for linear in parts:
+                assert linear.weight.data_ptr() == stack[rows:].data_ptr()
+                rows += linear.weight.shape[0]
+            assert rows == stack.shape[0]
+    assert "layers.0.self_attn.q_proj.weight" in model.language_model.state_dict()
+
+
 def test_recompute_into_explicit_slots_reproduces_prefill(model, processor):
     """Re-running scattered tokens into their own slots (CONDUIT's recompute path) changes nothing."""
     ids, pixel_values = make_inputs(processor, 1, seed=3)

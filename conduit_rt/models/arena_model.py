@@ -52,9 +52,11 @@ class ArenaVisionLanguageModel(nn.Module):
         return self.vision_module() is not None
 
     def finish_loading(self, device: torch.device, dtype: torch.dtype) -> None:
-        """After the weights are assigned: record where they live, build RoPE tables, freeze."""
+        """After the weights are assigned: record where they live, build RoPE tables, stack the
+        decoder's projections, freeze."""
         self.device, self.dtype = device, dtype
         self.language_model.init_rotary(device)
+        self.language_model.stack_projections()
         self.eval().requires_grad_(False)
 
     def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16) -> KVArena:

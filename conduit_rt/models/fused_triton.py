@@ -110,3 +110,47 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
                              BLOCK_R=triton.next_power_of_2(rest) if rest > 0 else 0,
                              num_warps=_warps(block_h * block_f), enable_fp_fusion=False)
     return out
+
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_out, n_in,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r] = w[r] . x (+ bias[r]) for BLOCK_N rows r, the sum in float32.
+
+    A program holds a [BLOCK_N, BLOCK_K] tile of products; with BLOCK_K = 4096 a row of a 7B
+    model's projection is one round of loads, all in flight at once. The weight is read once and
+    never again in the step: evict_first keeps it from pushing the activations out of L2.
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * n_in
+    for start in range(0, n_in, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_mask = cols < n_in
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:  # added before rounding, as cuBLAS's bias epilogue
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+# Tile of the GEMV, from a sweep on an H200 (tools/bench_gemv.py, docs/benchmarks/gemv.md): four rows of
+# up to 4096 columns a program, 8 warps.
+GEMV_BLOCK_N, GEMV_MAX_BLOCK_K, GEMV_WARPS = 4, 4096, 8
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N,
+         block_k: int | None = None, num_warps: int = GEMV_WARPS) -> torch.Tensor:
+    """x [1, in] @ weight [out, in]^T (+ bias [out]) -> [1, out]; contiguous, one dtype."""
+    n_out, n_in = weight.shape
+    block_k = block_k or min(GEMV_MAX_BLOCK_K, triton.next_power_of_2(n_in))
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](x, weight, bias if bias is not None else weight, out, n_out, n_in,
+                                                  HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                  num_warps=num_warps)
+    return out

@@ -6,6 +6,11 @@ causal-by-position attention over every stored token of the layer (the native ke
 residual -> RMSNorm -> SwiGLU MLP -> residual. Module and parameter names follow transformers'
 ``LlamaModel`` so that the code reads like the reference; ``gguf_tensor_map`` says which GGUF tensor
 fills each parameter.
+
+After loading, ``stack_projections`` lays q/k/v and gate/up out as row blocks of one tensor each (the
+parameters become views of it): a decode step reads each stack with one GEMV (``fused.linear``)
+instead of three and two, which streams closer to the bandwidth limit. Prefill keeps one product per
+projection, whose outputs are contiguous.
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ _BIAS_TENSORS = {
     "self_attn.v_proj.bias": (MODEL_TENSOR.ATTN_V, "bias"),
     "self_attn.o_proj.bias": (MODEL_TENSOR.ATTN_OUT, "bias"),
 }
+
+
+def stack_rows(linears: list[nn.Linear], name: str) -> torch.Tensor:
+    """Concatenates the ``name`` ("weight" or "bias") of ``linears`` along rows and makes each
+    module's parameter a view of its block; returns the stack [sum of rows, ...]. Memory stays the
+    same once the old tensors are released."""
+    stacked = torch.cat([getattr(linear, name).detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = getattr(linear, name).shape[0]
+        setattr(linear, name, nn.Parameter(stacked[start: start + rows], requires_grad=False))
+        start += rows
+    return stacked
 
 
 def gguf_tensor_map(
@@ -85,6 +103,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_rows, config.hidden, bias=bias if output_bias is None else output_bias)
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.scale = config.attention_scale
+        self.qkv_rows = (q_rows, kv_rows, kv_rows)
+        # [q_rows + 2 kv_rows, hidden] (and [q_rows + 2 kv_rows]) after stack_projections; plain
+        # attributes, not parameters: the state dict keeps transformers' names
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def stack_projections(self) -> None:
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_weight = stack_rows(projections, "weight")
+        self.qkv_bias = stack_rows(projections, "bias") if self.q_proj.bias is not None else None
 
     def forward(
         self,
@@ -97,15 +125,19 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """h [n, hidden] (normed) -> attention output [n, hidden]; writes the layer's K, V for the n tokens."""
         n = h.shape[0]
-        q = self.q_proj(h).view(n, self.n_heads, self.head_dim)
-        k = self.k_proj(h).view(n, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(n, self.n_kv_heads, self.head_dim)
+        if n == 1 and self.qkv_weight is not None:  # a decode step: one GEMV over the stack
+            q, k, v = fused.linear(h, self.qkv_weight, self.qkv_bias).split(self.qkv_rows, dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv_heads, self.head_dim)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
         seq.write_kv(layer, k, v, batch.slots, rope_pos=batch.rope_positions)
         q = rotary.apply(q, batch.rope_positions).contiguous()
         if capture is not None:
             capture.on_layer(layer, q, k, v)
         out = seq.attention(layer, q, batch.positions, self.scale)  # [n, n_heads, head_dim]
-        return self.o_proj(out.view(n, self.n_heads * self.head_dim))
+        return fused.linear(out.view(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -114,9 +146,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # [2 intermediate, hidden] after stack_projections
+
+    def stack_projections(self) -> None:
+        self.gate_up_weight = stack_rows([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        """x [n, hidden] -> [n, hidden]."""
+        if x.shape[0] == 1 and self.gate_up_weight is not None:  # a decode step: one GEMV over the stack
+            gate, up = fused.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return fused.linear(fused.silu_mul(gate, up), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -164,6 +205,12 @@ class LlamaDecoder(nn.Module):
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config.rope, device)
 
+    def stack_projections(self) -> None:
+        """Once the weights are in place: q/k/v and gate/up of every layer as one tensor each."""
+        for layer in self.layers:
+            layer.self_attn.stack_projections()
+            layer.mlp.stack_projections()
+
     def forward(
         self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
     ) -> torch.Tensor:
@@ -185,4 +232,4 @@ class LlamaDecoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers)."""
-        return self.lm_head(self.norm(hidden)).float()
+        return fused.linear(self.norm(hidden), self.lm_head.weight).float()
