@@ -139,9 +139,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_out, n_in,
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-# Tile of the GEMV, from a sweep on an H200 (tools/bench_gemv.py, docs/benchmarks/gemv.md): four rows of
-# up to 4096 columns a program, 8 warps.
-GEMV_BLOCK_N, GEMV_MAX_BLOCK_K, GEMV_WARPS = 4, 4096, 8
+# Tile of the GEMV, from a sweep on an H200 (tools/bench_gemv.py, docs/benchmarks/gemv.md): two rows of
+# up to 4096 columns a program, 4 warps.
+GEMV_BLOCK_N, GEMV_MAX_BLOCK_K, GEMV_WARPS = 2, 4096, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N,

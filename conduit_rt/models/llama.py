@@ -173,14 +173,21 @@ class LlamaDecoderLayer(nn.Module):
         layer: int,
         seq,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         batch: ForwardBatch,
         rotary: RotaryEmbedding,
         capture: LayerCapture | None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(layer, seq, self.input_layernorm(x), batch, rotary, capture)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + delta (delta None: x), [n, hidden]; returns its output as the two
+        terms of the last residual add, which the next layer's norm adds in the same kernel."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = fused.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn(layer, seq, h, batch, rotary, capture)
         post = self.post_attention_layernorm
         x, h = fused.add_rms_norm(x, attn, post.weight, post.eps)  # the residual add and the next norm at once
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class LlamaDecoder(nn.Module):
@@ -217,10 +224,10 @@ class LlamaDecoder(nn.Module):
         """embeds [n, hidden] -> hidden states [n, hidden] before the final norm."""
         if self.rotary is None:
             raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
-        x = embeds
-        for index in range(len(self.layers)):
-            x = self.forward_layer(index, seq, x, batch, capture)
-        return x
+        x, delta = embeds, None
+        for index, layer in enumerate(self.layers):
+            x, delta = layer(index, seq, x, delta, batch, self.rotary, capture)
+        return x + delta
 
     def forward_layer(
         self, index: int, seq, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
@@ -228,7 +235,8 @@ class LlamaDecoder(nn.Module):
         """Decoder layer ``index`` alone (layer-wise recompute): x [n, hidden] -> [n, hidden]."""
         if self.rotary is None:
             raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
-        return self.layers[index](index, seq, x, batch, self.rotary, capture)
+        x, delta = self.layers[index](index, seq, x, None, batch, self.rotary, capture)
+        return x + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers)."""
