@@ -14,6 +14,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,6 +160,21 @@ def test_stacked_projections_are_views_holding_the_checkpoint_weights(model, ref
                 rows += linear.weight.shape[0]
             assert rows == stack.shape[0]
     assert "layers.0.self_attn.q_proj.weight" in model.language_model.state_dict()
+
+
+def test_a_converted_module_restacks_its_projections(model):
+    """module.to / .double() replace parameters with new tensors; the stack follows them."""
+    mlp = model.language_model.layers[0].mlp
+    x = torch.randn(1, mlp.gate_proj.in_features, dtype=torch.float64)
+    want = mlp.down_proj.weight.double() @ (F.silu(mlp.gate_proj.weight.double() @ x[0]) * (mlp.up_proj.weight.double() @ x[0]))
+    try:
+        mlp.double()
+        assert mlp.gate_up_weight.dtype == torch.float64
+        assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
+        torch.testing.assert_close(mlp(x)[0], want)
+    finally:
+        mlp.float()
+    assert mlp.gate_up_weight.dtype == torch.float32 and mlp.up_proj.weight.dtype == torch.float32
 
 
 def test_recompute_into_explicit_slots_reproduces_prefill(model, processor):

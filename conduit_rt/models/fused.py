@@ -1,5 +1,5 @@
 """The decoder's elementwise chains as single kernels: RMSNorm (with the residual add before it),
-SiLU-gated product, and rotate-half RoPE of the queries; and the one-token matrix-vector product.
+SiLU-gated product (of the stacked gate/up projection), and rotate-half RoPE of the queries; and the one-token matrix-vector product.
 
 In torch each of these is a chain of small kernels (an RMSNorm in float32 is seven). A decode step
 of a 7B decoder runs about 37 kernels a layer, two thirds of them elementwise ops on one row that
@@ -14,7 +14,7 @@ cast to the dtype), so they agree with it to the last bit or one unit in the las
 the copy bandwidth on an H200 where cuBLAS's M = 1 kernels reach 0.41-0.73 (tools/bench_gemv.py);
 several rows, or the CPU, go to ``F.linear``. Its float32 sum runs in another order than cuBLAS's.
 
-Shapes: x, delta [..., hidden] (contiguous); gate, up [..., intermediate]; q [n, heads, head_dim]
+Shapes: x, delta [..., hidden] (contiguous); gate_up [..., 2 intermediate]; q [n, heads, head_dim]
 with cos, sin tables [n, n_freq] (``rope.rope_tables``: computed once per forward pass, in torch,
 so that they are torch's values to the bit).
 """
@@ -59,10 +59,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return total, _rms_norm_torch(total, weight, eps)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, each rounded to the dtype as in torch."""
-    if _on_gpu(gate, up) and gate.dtype == up.dtype:
-        return _triton().silu_mul(gate, up)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from their stack gate_up [..., 2 width] (gate first): [..., width], each
+    rounded to the dtype as in torch."""
+    if _on_gpu(gate_up):
+        return _triton().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

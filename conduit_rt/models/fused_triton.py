@@ -53,22 +53,26 @@ def rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    """Row r of out [rows, width] from row r of gate_up [rows, 2 width] (gate, then up)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    g = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
     silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * width + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 width] (contiguous) -> silu(gate) * up [..., width]."""
+    width = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // (2 * width) if width else 0
+    if rows:
         block = 2048
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8,
-                                                   enable_fp_fusion=False)
+        _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block, num_warps=8,
+                                                             enable_fp_fusion=False)
     return out
 
 

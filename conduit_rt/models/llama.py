@@ -9,8 +9,9 @@ fills each parameter.
 
 After loading, ``stack_projections`` lays q/k/v and gate/up out as row blocks of one tensor each (the
 parameters become views of it): a decode step reads each stack with one GEMV (``fused.linear``)
-instead of three and two, which streams closer to the bandwidth limit. Prefill keeps one product per
-projection, whose outputs are contiguous.
+instead of three and two, which streams closer to the bandwidth limit. Prefill runs gate/up as one
+product too (the SiLU kernel reads both halves of its rows) but keeps one product per q/k/v
+projection, whose outputs must be contiguous for the KV write and RoPE.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ def stack_rows(linears: list[nn.Linear], name: str) -> torch.Tensor:
     return stacked
 
 
+class StackedProjections(nn.Module):
+    """A module whose projections ``stack_projections`` can lay out as one tensor. Conversions
+    (``module.to``, ``.double()``) replace the parameters with new tensors: the stack is then rebuilt
+    from them, so that it never holds stale values and the parameters stay views of it."""
+
+    stacked = False
+
+    def stack_projections(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        if self.stacked:
+            self.stack_projections()
+        return result
+
+
 def gguf_tensor_map(
     n_layers: int, attention_bias: bool, tie_word_embeddings: bool, output_bias: bool | None = None
 ) -> dict[str, str]:
@@ -91,7 +109,7 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(StackedProjections):
     """``bias``: q/k/v (and, unless ``output_bias`` is False, o_proj) have biases."""
 
     def __init__(self, config: ModelConfig, bias: bool, output_bias: bool | None = None) -> None:
@@ -113,6 +131,7 @@ class LlamaAttention(nn.Module):
         projections = [self.q_proj, self.k_proj, self.v_proj]
         self.qkv_weight = stack_rows(projections, "weight")
         self.qkv_bias = stack_rows(projections, "bias") if self.q_proj.bias is not None else None
+        self.stacked = True
 
     def forward(
         self,
@@ -140,7 +159,7 @@ class LlamaAttention(nn.Module):
         return fused.linear(out.view(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(StackedProjections):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -150,14 +169,15 @@ class LlamaMLP(nn.Module):
 
     def stack_projections(self) -> None:
         self.gate_up_weight = stack_rows([self.gate_proj, self.up_proj], "weight")
+        self.stacked = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] -> [n, hidden]."""
-        if x.shape[0] == 1 and self.gate_up_weight is not None:  # a decode step: one GEMV over the stack
-            gate, up = fused.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        """x [n, hidden] -> [n, hidden]; gate and up as one product over their stack."""
+        if self.gate_up_weight is None:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return fused.linear(fused.silu_mul(gate, up), self.down_proj.weight)
+            gate_up = fused.linear(x, self.gate_up_weight)
+        return fused.linear(fused.silu_mul(gate_up), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
