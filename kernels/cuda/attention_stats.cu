@@ -1,10 +1,12 @@
 // attention_stats.cu: per-key attention mass and per-head sparsity counts on the GPU, without
-// materialising the [n_q, n_tokens] probabilities (the scoring pass of CONDUIT and VL-Cache).
+// materialising the [n_q, n_tokens] probabilities (the scoring pass of CONDUIT and VL-Cache): the
+// launches both paths share (attention_stats.cuh), the CUDA-core path, and the dispatch between it and
+// the tensor-core path (attention_stats_mma.cu: bf16/f16, head_dim 64 or 128).
 //
-// Both passes over the keys are key-major: a CTA holds key rows of one KV head in registers (a row
-// group of kLanes lanes per row, every lane holding kLanes-interleaved 16-byte chunks of head_dim, as
-// in attention_kernel.cuh) and walks a chunk of the queries, so each K byte is read once per pass
-// instead of once per query. Four launches on the stream:
+// The CUDA-core passes over the keys are key-major: a CTA holds key rows of one KV head in registers
+// (a row group of kLanes lanes per row, every lane holding kLanes-interleaved 16-byte chunks of
+// head_dim, as in attention_kernel.cuh) and walks a chunk of the queries, so each K byte is read once
+// per pass instead of once per query. Four launches on the stream:
 //   1. score_max_lse_kernel: a CTA walks a split of consecutive key tiles; per (query, head) and warp
 //      it keeps a running base-2 (max, sum) in shared memory, merges its warps at the end and writes
 //      the split's max and log-sum-exp (base 2).
@@ -20,6 +22,7 @@
 #include <cmath>
 
 #include "attention_kernel.cuh"
+#include "attention_stats.cuh"
 
 namespace conduit::kernels::cuda {
 namespace {
@@ -29,16 +32,6 @@ constexpr int32_t kTargetCtasPerSm = 4;      // pass 3: query chunks are added b
 constexpr int32_t kScoreQueries = 64;        // pass 1: queries per CTA (its running state is in smem)
 constexpr int32_t kScoreCtasPerSm = 16;      // pass 1: key tiles are split until this many CTAs
 constexpr int32_t kMaxScoreSplits = 256;     // pass 1: bounds the partials per (query, head)
-
-struct StatsParams {
-    AttentionParams a;
-    const float *max2;                  // [n_q, n_heads] base-2 score max
-    const float *lse2;                  // [n_q, n_heads] base-2 log-sum-exp
-    float log2_threshold;               // log2(threshold); -inf for threshold 0
-    int32_t queries_per_chunk;          // grid z walks the queries in chunks of this size
-    float *partial_mass;                // [n_query_chunks * n_kv_heads * head_tiles, n_tokens]
-    unsigned long long *below;          // [n_heads]
-};
 
 // One thread per (query, head).
 __global__ void merge_score_stats_kernel(const AttentionParams p, float *max2, float *lse2, float *lse) {
@@ -303,10 +296,8 @@ __global__ void reduce_key_stats_kernel(const float *partial_mass, int32_t n_par
     if (n_below && s < n_heads) n_below[s] = float(below[s]);
 }
 
-size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
-void launch_stats(AttentionParams p, float threshold, float *mass, float *n_below, float *lse, cudaStream_t stream) {
+void launch_stats(const AttentionParams &p, float threshold, float *mass, float *n_below, float *lse, cudaStream_t stream) {
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     const int64_t key_tiles = (int64_t(p.n_tokens) + S::kTileRows - 1) / S::kTileRows;
     const int64_t head_blocks = int64_t(p.n_kv_heads) * p.head_tiles;
@@ -319,7 +310,6 @@ void launch_stats(AttentionParams p, float threshold, float *mass, float *n_belo
     int64_t splits = (score_target + head_blocks * score_chunks - 1) / (head_blocks * score_chunks);
     splits = std::max<int64_t>(std::min<int64_t>({splits, key_tiles, int64_t(kMaxScoreSplits)}), 1);
     const int64_t tiles_per_split = std::max<int64_t>((key_tiles + splits - 1) / splits, 1);
-    p.n_splits = int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split); // 0 without keys
 
     // Pass 3: query chunks only where the key tiles alone leave SMs idle.
     const int64_t target = int64_t(kTargetCtasPerSm) * sm_count();
@@ -331,49 +321,66 @@ void launch_stats(AttentionParams p, float threshold, float *mass, float *n_belo
     const int32_t per_chunk = int32_t((p.n_q + q_chunks - 1) / q_chunks);
     q_chunks = (p.n_q + per_chunk - 1) / per_chunk;
 
-    const size_t head_rows = size_t(p.n_q) * p.n_heads;
-    const size_t partial_bytes = round_up(head_rows * p.n_splits * sizeof(float));
-    const size_t row_bytes = round_up(head_rows * sizeof(float));
-    const size_t mass_bytes = round_up(size_t(q_chunks * head_blocks) * p.n_tokens * sizeof(float));
-    const size_t below_bytes = round_up(size_t(p.n_heads) * sizeof(unsigned long long));
-    const size_t total = 2 * partial_bytes + 2 * row_bytes + mass_bytes + below_bytes;
-    char *ws = static_cast<char *>(stream_workspace(total, stream));
-    if (!ws) throw DeviceOutOfMemory("attention_stats: no device memory for a workspace of " + std::to_string(total) + " bytes");
-
-    p.partial_max = reinterpret_cast<float *>(ws);
-    p.partial_lse = reinterpret_cast<float *>(ws + partial_bytes);
-    StatsParams sp{};
-    sp.a = p;
-    float *max2 = reinterpret_cast<float *>(ws + 2 * partial_bytes);
-    float *lse2 = reinterpret_cast<float *>(ws + 2 * partial_bytes + row_bytes);
-    sp.max2 = max2;
-    sp.lse2 = lse2;
-    sp.log2_threshold = threshold > 0.0f ? std::log2(threshold) : -INFINITY;
+    StatsParams sp = prepare_stats(p, int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split),
+                                   int32_t(q_chunks * head_blocks), threshold, stream); // 0 splits without keys
     sp.queries_per_chunk = per_chunk;
-    sp.partial_mass = reinterpret_cast<float *>(ws + 2 * partial_bytes + 2 * row_bytes);
-    sp.below = reinterpret_cast<unsigned long long *>(ws + 2 * partial_bytes + 2 * row_bytes + mass_bytes);
-    CUDA_CHECK(cudaMemsetAsync(sp.below, 0, size_t(p.n_heads) * sizeof(unsigned long long), stream));
-
-    if (p.n_splits > 0) {
-        const dim3 pass1{unsigned(p.n_splits), unsigned(head_blocks), unsigned(score_chunks)};
+    if (sp.a.n_splits > 0) {
+        const dim3 pass1{unsigned(sp.a.n_splits), unsigned(head_blocks), unsigned(score_chunks)};
         score_max_lse_kernel<T, kLanes, kPerLane, kGroupTile><<<pass1, kAttnThreads, 0, stream>>>(
-            p, int32_t(tiles_per_split), score_per_chunk);
+            sp.a, int32_t(tiles_per_split), score_per_chunk);
         CUDA_CHECK_LAUNCH("score_max_lse_kernel");
     }
-    merge_score_stats_kernel<<<unsigned((head_rows + 127) / 128), 128, 0, stream>>>(p, max2, lse2, lse);
-    CUDA_CHECK_LAUNCH("merge_score_stats_kernel");
+    merge_score_stats(sp, lse, stream);
     if (key_tiles > 0) {
         const dim3 pass3{unsigned(key_tiles), unsigned(head_blocks), unsigned(q_chunks)};
         key_stats_kernel<T, kLanes, kPerLane, kGroupTile><<<pass3, kAttnThreads, 0, stream>>>(sp);
         CUDA_CHECK_LAUNCH("key_stats_kernel");
     }
-    const int64_t reduce_items = std::max<int64_t>(p.n_tokens, p.n_heads);
-    reduce_key_stats_kernel<<<unsigned((reduce_items + 255) / 256), 256, 0, stream>>>(
-        sp.partial_mass, int32_t(q_chunks * head_blocks), p.n_tokens, sp.below, p.n_heads, mass, n_below);
-    CUDA_CHECK_LAUNCH("reduce_key_stats_kernel");
+    reduce_key_stats(sp, mass, n_below, stream);
 }
 
+size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 } // namespace
+
+StatsParams prepare_stats(AttentionParams p, int32_t n_splits, int32_t n_mass_partials, float threshold,
+                          cudaStream_t stream) {
+    const size_t head_rows = size_t(p.n_q) * p.n_heads;
+    const size_t partial_bytes = round_up(head_rows * size_t(n_splits) * sizeof(float));
+    const size_t row_bytes = round_up(head_rows * sizeof(float));
+    const size_t mass_bytes = round_up(size_t(n_mass_partials) * size_t(p.n_tokens) * sizeof(float));
+    const size_t below_bytes = round_up(size_t(p.n_heads) * sizeof(unsigned long long));
+    const size_t total = 2 * partial_bytes + 2 * row_bytes + mass_bytes + below_bytes;
+    char *ws = static_cast<char *>(stream_workspace(total, stream));
+    if (!ws) throw DeviceOutOfMemory("attention_stats: no device memory for a workspace of " + std::to_string(total) + " bytes");
+
+    p.n_splits = n_splits;
+    p.partial_max = reinterpret_cast<float *>(ws);
+    p.partial_lse = reinterpret_cast<float *>(ws + partial_bytes);
+    StatsParams sp{};
+    sp.a = p;
+    sp.max2 = reinterpret_cast<float *>(ws + 2 * partial_bytes);
+    sp.lse2 = reinterpret_cast<float *>(ws + 2 * partial_bytes + row_bytes);
+    sp.log2_threshold = threshold > 0.0f ? std::log2(threshold) : -INFINITY;
+    sp.n_mass_partials = n_mass_partials;
+    sp.partial_mass = reinterpret_cast<float *>(ws + 2 * partial_bytes + 2 * row_bytes);
+    sp.below = reinterpret_cast<unsigned long long *>(ws + 2 * partial_bytes + 2 * row_bytes + mass_bytes);
+    CUDA_CHECK(cudaMemsetAsync(sp.below, 0, size_t(p.n_heads) * sizeof(unsigned long long), stream));
+    return sp;
+}
+
+void merge_score_stats(const StatsParams &sp, float *lse, cudaStream_t stream) {
+    const int64_t head_rows = int64_t(sp.a.n_q) * sp.a.n_heads;
+    merge_score_stats_kernel<<<unsigned((head_rows + 127) / 128), 128, 0, stream>>>(sp.a, sp.max2, sp.lse2, lse);
+    CUDA_CHECK_LAUNCH("merge_score_stats_kernel");
+}
+
+void reduce_key_stats(const StatsParams &sp, float *mass, float *n_below, cudaStream_t stream) {
+    const int64_t items = std::max<int64_t>(sp.a.n_tokens, sp.a.n_heads);
+    reduce_key_stats_kernel<<<unsigned((items + 255) / 256), 256, 0, stream>>>(
+        sp.partial_mass, sp.n_mass_partials, sp.a.n_tokens, sp.below, sp.a.n_heads, mass, n_below);
+    CUDA_CHECK_LAUNCH("reduce_key_stats_kernel");
+}
 
 void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                      float scale, float threshold, float *mass, float *n_below, float *lse, void *stream) {
@@ -384,6 +391,10 @@ void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const vo
         return;
     }
     const AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
+    if (mma_stats_applies(kv.dtype, p.head_dim, q)) {
+        launch_mma_stats(p, kv.dtype, threshold, mass, n_below, lse, s);
+        return;
+    }
     dispatch_dtype(kv.dtype, [&](auto dtype) {
         using T = typename decltype(dtype)::type;
         dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {

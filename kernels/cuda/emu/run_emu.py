@@ -3,7 +3,8 @@
 on random inputs, and runs it.
 
     python3 kernels/cuda/emu/run_emu.py            # on the CPU emulator (emu.h): g++ (C++20) and
-                                                   # the CUDA headers, no GPU or driver needed
+                                                   # the CUDA headers, no GPU or driver needed; then
+                                                   # the stats tests again with CONDUIT_STATS_MMA=0
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
 """
 import argparse
@@ -62,7 +63,16 @@ def run_on_gpu(build: pathlib.Path, arch: str) -> int:
     print(" ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
         return 1
-    return subprocess.call([str(binary)])
+    return run_tests(binary)
+
+
+def run_tests(binary: pathlib.Path) -> int:
+    """Every test, then attention_stats again on its CUDA-core path (bf16/f16 at head_dim 64/128 take
+    it only with CONDUIT_STATS_MMA=0)."""
+    if subprocess.call([str(binary)]) != 0:
+        return 1
+    print("CONDUIT_STATS_MMA=0:", flush=True)
+    return subprocess.call([str(binary), "stats"], env={**os.environ, "CONDUIT_STATS_MMA": "0"})
 
 
 def main() -> int:
@@ -98,7 +108,7 @@ def main() -> int:
     print(" ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
         return 1
-    return subprocess.call([str(binary)])
+    return run_tests(binary)
 
 
 if __name__ == "__main__":

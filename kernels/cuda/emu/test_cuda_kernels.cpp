@@ -97,6 +97,18 @@ Layer make_layer(kc::DType dtype, int hk, int d, int bs, int n_tokens, int max_p
     return l;
 }
 
+// Moves slot s to position `pos` (past every query) and fills its K and V with NaN.
+void hide_slot(Layer &l, int s, int pos) {
+    l.positions[size_t(s)] = pos;
+    for (int h = 0; h < l.view.n_kv_heads; ++h) {
+        const int64_t off = kc::cpu::k_offset(l.view, s, h);
+        for (int e = 0; e < l.view.head_dim; ++e) {
+            kc::cpu::store(l.pool.data(), off + e, NAN, l.view.dtype);
+            kc::cpu::store(l.pool.data(), off + kc::cpu::v_delta(l.view) + e, NAN, l.view.dtype);
+        }
+    }
+}
+
 Buf<unsigned char> random_dense(kc::DType dtype, int64_t n, float scale = 1.0f) {
     Buf<unsigned char> out(size_t(n) * kc::dtype_size(dtype) + 64);
     for (int64_t i = 0; i < n; ++i) kc::cpu::store(out.data(), i, uniform(-scale, scale), dtype);
@@ -129,14 +141,7 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     for (int s = 0; s < n_tokens && !causal_chunk; ++s)
         if (s % 5 == 0) l.positions[size_t(s)] = max_pos + 10;
     for (int s = 0; s < n_tokens && !causal_chunk; ++s)
-        if (l.positions[size_t(s)] > max_pos)
-            for (int h = 0; h < hk; ++h) {
-                const int64_t off = kc::cpu::k_offset(l.view, s, h);
-                for (int e = 0; e < d; ++e) {
-                    kc::cpu::store(l.pool.data(), off + e, NAN, dtype);
-                    kc::cpu::store(l.pool.data(), off + kc::cpu::v_delta(l.view) + e, NAN, dtype);
-                }
-            }
+        if (l.positions[size_t(s)] > max_pos) hide_slot(l, s, l.positions[size_t(s)]);
     const size_t es = kc::dtype_size(dtype);
     Buf<unsigned char> q_buf = random_dense(dtype, int64_t(n_q) * n_heads * d + 8, 2.0f);
     const void *q = q_buf.data() + (unaligned_q ? es : 0);
@@ -182,6 +187,8 @@ void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens,
     if (causal_chunk) {
         for (int s = 0; s < n_tokens; ++s) l.positions[size_t(s)] = s;
         for (int i = 0; i < n_q; ++i) q_pos[size_t(i)] = n_tokens - n_q + i;
+    } else {
+        for (int s = 3; s < n_tokens; s += 7) hide_slot(l, s, 90); // seen by no query: NaN must not leak
     }
     Buf<float> mass_cpu(size_t(n_tokens) + 1), mass_gpu(size_t(n_tokens) + 1, NAN), mass_again(size_t(n_tokens) + 1, NAN);
     Buf<float> below_cpu(static_cast<size_t>(n_heads)), below_gpu(static_cast<size_t>(n_heads), NAN);
@@ -219,6 +226,47 @@ void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens,
         for (int h = 0; h < n_heads; ++h) wrong += below_gpu[size_t(h)] != float(visible_pairs - seeing);
         expect(wrong == 0, std::string(name) + " below-max counts off in " + std::to_string(wrong) + " heads");
     }
+}
+
+// attention_stats over every dtype and head_dim; the grid of the tensor-core path (bf16/f16, head_dim
+// 64/128) unless CONDUIT_STATS_MMA=0 (run_emu.py runs this grid again with it).
+void test_stats_grid() {
+    const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
+    const int blocks[] = {1, 4, 16, 64, 256};
+    const int groups[] = {1, 2, 3, 7, 8, 12};
+    for (kc::DType t : dtypes)
+        for (int d : {8, 80, 128, 256}) {
+            test_stats(t, randint(1, 2), groups[randint(0, 5)], d, blocks[randint(0, 4)], randint(1, 150), randint(1, 4), 0.01f);
+        }
+    test_stats(kc::DType::F32, 1, 8, 64, 16, 300, 40, 0.5f); // query chunks in the key pass
+    test_stats(kc::DType::F16, 2, 3, 64, 4, 50, 3, 0.0f);
+    test_stats(kc::DType::BF16, 1, 2, 64, 4, 50, 3, 1.0f);
+    // The key-major first pass (score_max_lse_kernel; bf16 and f16 take it with CONDUIT_STATS_MMA=0) at
+    // the traits of the bench shape (bf16, head_dim 128, GQA group 1 and 4, up to 64 text queries): key counts off the 32-row tile, splits of several
+    // key tiles (the emulator reports 4 SMs), more than 64 queries (two query chunks), causal and
+    // scattered positions, thresholds 0 and 0.01; threshold 1 checks the max bit for bit.
+    for (float thr : {0.0f, 0.01f}) {
+        test_stats(kc::DType::BF16, 8, 1, 128, 16, 300, randint(8, 24), thr, true); // 10 tiles, 2 per split
+        test_stats(kc::DType::BF16, 2, 4, 128, 16, randint(150, 180), randint(65, 70), thr, false);
+        test_stats(kc::DType::BF16, 1, 4, 128, 16, 2100 + randint(1, 31), 4, thr, true); // 66 tiles
+        test_stats(kc::DType::F16, 1, 1, 64, 1, 97, 1, thr, randint(0, 1));
+    }
+    test_stats(kc::DType::BF16, 8, 1, 128, 16, 301, 12, 1.0f, true);
+    test_stats(kc::DType::F32, 2, 3, 80, 4, 300, 67, 1.0f, false);
+    // The tensor-core path at its edges: key counts off pass 1's 64-key tiles and pass 2's 128-key
+    // blocks, GQA groups 1, 3, 4 and 8 (head-major rows, each head's queries padded to 16), 1 to 80
+    // queries (several 64-row stages; row chunks where key blocks are few: the emulator has 4 SMs),
+    // scattered positions (keys no query sees, query 1 sees nothing) and causal chunks; threshold 1
+    // checks that pass 2 recomputes the max of pass 1 bit for bit.
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            test_stats(t, 2, 4, d, 16, 129 + randint(0, 60), 1, 0.01f);
+            test_stats(t, 1, 8, d, 4, 200 + randint(1, 63), 17, 1.0f);
+            test_stats(t, 2, 1, d, 64, 250, 70, 0.01f, true);
+            test_stats(t, 1, 3, d, 1, 97, 33, randint(0, 1) ? 0.0f : 1.0f, randint(0, 1));
+        }
+    test_stats(kc::DType::BF16, 8, 4, 128, 16, 130 + randint(1, 63), 64, 0.01f, true); // the bench's heads and queries
+    test_stats(kc::DType::BF16, 2, 4, 128, 16, 300 + randint(1, 20), 80, 1.0f, true);
 }
 
 // Pools or dense tensors: bit for bit in the emulator (same cosf/sinf as the CPU); on a GPU, whose
@@ -474,7 +522,12 @@ void test_topk_grid() {
 
 } // namespace
 
-int main() {
+int main(int argc, char **argv) {
+    if (argc > 1 && std::string(argv[1]) == "stats") { // only the statistics (run_emu.py: the CUDA-core path)
+        test_stats_grid();
+        std::printf("stats: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
     const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
     const int dims[] = {8, 64, 80, 96, 128, 256};
     const int blocks[] = {1, 4, 16, 64, 256};
@@ -509,25 +562,9 @@ int main() {
     test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, true);
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
-    for (kc::DType t : dtypes)
-        for (int d : {8, 80, 128, 256}) {
-            test_stats(t, randint(1, 2), groups[randint(0, 5)], d, blocks[randint(0, 4)], randint(1, 150), randint(1, 4), 0.01f);
-        }
-    test_stats(kc::DType::F32, 1, 8, 64, 16, 300, 40, 0.5f); // query chunks in the key pass
-    test_stats(kc::DType::F16, 2, 3, 64, 4, 50, 3, 0.0f);
-    test_stats(kc::DType::BF16, 1, 2, 64, 4, 50, 3, 1.0f);
-    // The key-major first pass (score_max_lse_kernel) at the traits of the bench shape (bf16, head_dim
-    // 128, GQA group 1 and 4, up to 64 text queries): key counts off the 32-row tile, splits of several
-    // key tiles (the emulator reports 4 SMs), more than 64 queries (two query chunks), causal and
-    // scattered positions, thresholds 0 and 0.01; threshold 1 checks the max bit for bit.
-    for (float thr : {0.0f, 0.01f}) {
-        test_stats(kc::DType::BF16, 8, 1, 128, 16, 300, randint(8, 24), thr, true); // 10 tiles, 2 per split
-        test_stats(kc::DType::BF16, 2, 4, 128, 16, randint(150, 180), randint(65, 70), thr, false);
-        test_stats(kc::DType::BF16, 1, 4, 128, 16, 2100 + randint(1, 31), 4, thr, true); // 66 tiles
-        test_stats(kc::DType::F16, 1, 1, 64, 1, 97, 1, thr, randint(0, 1));
-    }
-    test_stats(kc::DType::BF16, 8, 1, 128, 16, 301, 12, 1.0f, true);
-    test_stats(kc::DType::F32, 2, 3, 80, 4, 300, 67, 1.0f, false);
+    test_stats_grid();
+    std::printf("stats: %d checks, %d failures\n", checks, failures);
+    std::fflush(stdout);
     for (kc::DType t : dtypes)
         for (int d : {64, 128}) {
             test_step(t, 2, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(1, 5), randint(1, 700), randint(0, 2));

@@ -1,0 +1,272 @@
+// attention_mma_tile.cuh: the pieces of a tensor-core key-tile loop that the attention kernel
+// (attention_mma.cu) and the first pass of the attention statistics (attention_stats_mma.cu) share:
+// gathering a key tile from the paged pool, the warp's rows and Q fragments, and S = Q K^T of one
+// tile with its causal mask. Sharing them is what keeps the two kernels' scores bit-identical.
+#pragma once
+
+#include <math_constants.h>
+
+#include "attention_mma.cuh"
+
+namespace conduit::kernels::cuda {
+
+// The position of slot tile * kKeys + threadIdx.x (threads below kKeys; 0 elsewhere or past the
+// end). Read one tile ahead of load_tile, so that the load is in flight during a tile's compute.
+template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const AttentionParams &p, int32_t tile) {
+    const int32_t slot = tile * MmaShape<kHeadDim>::kKeys + int32_t(threadIdx.x);
+    return threadIdx.x < MmaShape<kHeadDim>::kKeys && slot < p.n_tokens ? p.positions[slot] : 0;
+}
+
+// What a key tile holds for the CTA's rows: nothing visible (skipped), some slots visible (masked
+// per element), or every slot visible to every row (no mask: most tiles of a causal prefill).
+enum TileView : int { kTileHidden = 0, kTileMasked = 1, kTileOpen = 2 };
+
+// The 16-byte chunk `chunk` of the K row of (slot, kv_head) in the paged pool (its V row is p.v_delta
+// elements further).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ const T *paged_key_chunk(const AttentionParams &p, int32_t kv_head, int32_t slot, int32_t chunk) {
+    const int64_t block = p.block_table[slot >> p.block_shift];
+    const int32_t block_mask = (1 << p.block_shift) - 1;
+    return static_cast<const T *>(p.pool) + block * p.block_elems +
+           ((int64_t(kv_head) << p.block_shift) + (slot & block_mask)) * kHeadDim + chunk * 8;
+}
+
+// Stores the positions of the tile at tile_start (`pos`, from slot_position) in stage_pos and, when
+// some slot of the tile is visible to the CTA's latest query (max_q_pos), issues the cp.async
+// copies of its K rows (and of its V rows right after them when kWithValues; zero-filled rows for
+// slots past the end or visible to no row). min_q_pos is the CTA's earliest query. Call from all
+// threads (it contains barriers).
+template <typename T, int kHeadDim, int kWarps, bool kWithValues>
+__device__ __forceinline__ TileView load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
+                                              int32_t pos, int32_t max_q_pos, int32_t min_q_pos, uint4 *stage,
+                                              int32_t *stage_pos) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    bool visible = false, seen_by_all = true;
+    if (threadIdx.x < S::kKeys) {
+        const bool exists = tile_start + int32_t(threadIdx.x) < p.n_tokens;
+        visible = exists && pos <= max_q_pos;
+        seen_by_all = exists && pos <= min_q_pos;
+        stage_pos[threadIdx.x] = pos;
+    }
+    if (!__syncthreads_or(visible)) return kTileHidden;
+    const TileView view = __syncthreads_and(seen_by_all) ? kTileOpen : kTileMasked;
+    const T *pool = static_cast<const T *>(p.pool);
+#pragma unroll
+    for (int i = 0; i < S::kTileChunks / S::kThreads; ++i) {
+        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
+        const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
+        const int32_t slot = tile_start + row;
+        const bool ok = slot < p.n_tokens && stage_pos[row] <= max_q_pos;
+        const T *k_src = ok ? paged_key_chunk<T, kHeadDim>(p, kv_head, slot, chunk) : pool;
+        const int dst = swizzled<S::kRowChunks>(row, chunk);
+        cp_async16(stage + dst, k_src, ok);
+        if constexpr (kWithValues) cp_async16(stage + S::kTileChunks + dst, ok ? k_src + p.v_delta : pool, ok);
+    }
+    return view;
+}
+
+// Streams the key tiles [tile_begin, tile_end) of one KV head through MmaShape::kStages shared-memory
+// stages (cp.async, one tile ahead of the compute) and calls on_tile(view, k_tile, tile_pos, tile) for
+// every tile some row of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when
+// kWithValues; tile_pos: its kKeys positions). smem: kStages stages of one K (and V) tile;
+// pos_smem: kStages * kKeys positions. Call from all threads.
+template <typename T, int kHeadDim, int kWarps, bool kWithValues, typename OnTile>
+__device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_begin,
+                                                  int32_t tile_end, int32_t max_q_pos, int32_t min_q_pos, uint4 *smem,
+                                                  int32_t *pos_smem, OnTile &&on_tile) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    constexpr int kStageChunks = kWithValues ? S::kStageChunks : S::kTileChunks;
+    const auto load = [&](int32_t tile, int32_t pos) {
+        const int stage = (tile - tile_begin) % S::kStages;
+        return load_tile<T, kHeadDim, kWarps, kWithValues>(p, kv_head, tile * S::kKeys, pos, max_q_pos, min_q_pos,
+                                                           smem + stage * kStageChunks, pos_smem + stage * S::kKeys);
+    };
+    int32_t pos_ahead = slot_position<kHeadDim>(p, tile_begin);
+    TileView view = tile_begin < tile_end ? load(tile_begin, pos_ahead) : kTileHidden;
+    pos_ahead = slot_position<kHeadDim>(p, tile_begin + 1);
+    cp_async_commit();
+    for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
+        TileView next_view = kTileHidden;
+        if (tile + 1 < tile_end) {
+            next_view = load(tile + 1, pos_ahead);
+            pos_ahead = slot_position<kHeadDim>(p, tile + 2);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (view != kTileHidden) {
+            const int stage = (tile - tile_begin) % S::kStages;
+            on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
+        }
+        view = next_view;
+        __syncthreads(); // the next iteration's copies overwrite this stage
+    }
+}
+
+// Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
+template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
+    static bool done[64] = {};
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    if (device >= 0 && device < 64 && done[device]) return;
+    CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(kKernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(bytes)));
+    if (device >= 0 && device < 64) done[device] = true;
+}
+
+// One warp's rows: which (query, head) each of its two fragment rows (g and g + 8) is. Rows are
+// (query, head) pairs of one KV head, query-major: row r = query r / group, head r % group.
+struct WarpRows {
+    int64_t out_row[2]; // query * n_heads + head, the row of q, out and lse
+    int32_t q_pos[2];
+    bool valid[2];
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ WarpRows warp_rows(const AttentionParams &p, int32_t kv_head, int32_t first_row) {
+    const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    WarpRows rows;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int64_t row = int64_t(first_row) + warp * 16 + lane / 4 + r * 8;
+        rows.valid[r] = row < int64_t(p.n_q) * p.group;
+        const int32_t query = rows.valid[r] ? int32_t(row / p.group) : 0;
+        const int32_t head = kv_head * p.group + int32_t(row % p.group);
+        rows.out_row[r] = int64_t(query) * p.n_heads + head;
+        rows.q_pos[r] = rows.valid[r] ? p.q_pos[query] : 0;
+    }
+    return rows;
+}
+
+// Rounds the warp's Q rows to A fragments: q_frag[k][0..3] = (row g, dims 16k + 2t, +1),
+// (row g + 8, same), (row g, +8), (row g + 8, +8) with g = lane / 4, t = lane % 4. Invalid rows are 0.
+template <int kHeadDim>
+__device__ __forceinline__ void load_q(const AttentionParams &p, const WarpRows &rows,
+                                       uint32_t (&q_frag)[kHeadDim / 16][4]) {
+    const uint16_t *q = static_cast<const uint16_t *>(p.q);
+    const int32_t t = threadIdx.x % 4;
+#pragma unroll
+    for (int k = 0; k < kHeadDim / 16; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = j % 2;
+            const int32_t dim = 16 * k + 2 * t + 8 * (j / 2);
+            const uint16_t *src = q + rows.out_row[r] * kHeadDim + dim;
+            q_frag[k][j] = rows.valid[r] ? uint32_t(src[0]) | (uint32_t(src[1]) << 16) : 0u;
+        }
+}
+
+// The latest and the earliest query position among the CTA's valid rows (all threads get them).
+template <int kWarps> __device__ __forceinline__ void cta_q_pos_range(const WarpRows &rows, int32_t &lo, int32_t &hi) {
+    __shared__ int32_t warp_lo[kWarps], warp_hi[kWarps];
+    lo = INT32_MAX;
+    hi = INT32_MIN;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (rows.valid[r]) {
+            lo = min(lo, rows.q_pos[r]);
+            hi = max(hi, rows.q_pos[r]);
+        }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_lo[threadIdx.x / 32] = lo;
+        warp_hi[threadIdx.x / 32] = hi;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+        lo = min(lo, warp_lo[w]);
+        hi = max(hi, warp_hi[w]);
+    }
+}
+
+// Max and sum over the 4 lanes of a quad (the lanes that share a fragment row).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Online softmax, base 2: folds a tile's row maxima (lane-partial tile_max of rows g, g + 8) into the
+// running max, rescales the lane-partial running sums to it, and returns the reference each score of
+// the tile is taken relative to (ref: the new max, 0 while nothing is seen, so that p = 0) and the
+// factor alpha the row's earlier accumulations were scaled by.
+__device__ __forceinline__ void rescale_running(const float (&tile_max)[2], float (&run_max)[2], float (&run_sum)[2],
+                                                float (&ref)[2], float (&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float new_max = fmaxf(run_max[r], quad_max(tile_max[r]));
+        ref[r] = new_max == -CUDART_INF_F ? 0.0f : new_max;
+        alpha[r] = fast_exp2(run_max[r] - ref[r]);
+        run_max[r] = new_max;
+        run_sum[r] *= alpha[r];
+    }
+}
+
+// Ldmatrix of the B fragments of keys 16 n .. 16 n + 15 for k-step k from a swizzled K tile:
+// b[0], b[1] serve n-tile 2 n (keys 16 n + 0..7), b[2], b[3] n-tile 2 n + 1.
+template <int kRowChunks> __device__ __forceinline__ void load_key_pair(uint32_t (&b)[4], const uint4 *k_tile, int n, int k) {
+    const int lane = threadIdx.x % 32;
+    const int key = 16 * n + (lane / 16) * 8 + lane % 8;
+    ldmatrix_x4(b, k_tile + swizzled<kRowChunks>(key, 2 * k + (lane / 8) % 2));
+}
+
+// S = Q K^T of the warp's 16 rows and one kKeys tile, unscaled: s[n] is n-tile n (keys 8n .. 8n + 7),
+// lane holding rows g, g + 8 at keys 8n + 2t, +1.
+template <typename T, int kHeadDim, int kWarps>
+__device__ __forceinline__ void tile_scores(const uint32_t (&q_frag)[kHeadDim / 16][4], const uint4 *k_tile,
+                                            float (&s)[MmaShape<kHeadDim, kWarps>::kKeyTiles][4]) {
+    using S = MmaShape<kHeadDim, kWarps>;
+#pragma unroll
+    for (int n = 0; n < S::kKeyTiles; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s[n][j] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < S::kDimSteps; ++k)
+#pragma unroll
+        for (int n = 0; n < S::kKeyTiles / 2; ++n) {
+            uint32_t b[4];
+            load_key_pair<S::kRowChunks>(b, k_tile, n, k);
+            mma_m16n8k16<T>(s[2 * n], q_frag[k], b[0], b[1]);
+            mma_m16n8k16<T>(s[2 * n + 1], q_frag[k], b[2], b[3]);
+        }
+}
+
+// Scales a tile's scores to base 2 (times scale_log2) and, unless the tile is open (every slot visible
+// to every row), sets the scores of slots a row cannot see to -inf; returns the lane's max of each row
+// (g, g + 8) in tile_max.
+template <int kKeyTiles>
+__device__ __forceinline__ void scale_and_mask(float (&s)[kKeyTiles][4], TileView view, const WarpRows &rows,
+                                               const int32_t *tile_pos, int32_t tile_keys, float scale_log2,
+                                               float (&tile_max)[2]) {
+    const int32_t t = threadIdx.x % 4;
+    tile_max[0] = tile_max[1] = -CUDART_INF_F;
+    if (view == kTileMasked) {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int r = j / 2, key = 8 * n + 2 * t + j % 2;
+                const bool seen = rows.valid[r] && key < tile_keys && tile_pos[key] <= rows.q_pos[r];
+                s[n][j] = seen ? s[n][j] * scale_log2 : -CUDART_INF_F;
+                tile_max[r] = fmaxf(tile_max[r], s[n][j]);
+            }
+    } else {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                s[n][j] *= scale_log2;
+                tile_max[j / 2] = fmaxf(tile_max[j / 2], s[n][j]);
+            }
+    }
+}
+
+} // namespace conduit::kernels::cuda
