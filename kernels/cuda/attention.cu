@@ -4,6 +4,8 @@
 // allocated, the call falls back to a single split: slower, same result. batch_attention (a decode
 // step over a batch of sequences) plans its splits from the batch's shape alone and takes its
 // partials from the caller's workspace, so that it allocates nothing and can be graph-captured.
+// Many queries take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA
+// group, bf16/f16 and head_dim 64/128, the tensor-core decode kernel (attention_mma_decode.cu).
 #include <algorithm>
 #include <atomic>
 
@@ -86,6 +88,14 @@ size_t merge_smem_floats(int32_t n_splits, int32_t head_dim) {
     return size_t((n_splits + 3) / 4 * 4) + size_t(groups) * head_dim;
 }
 
+// Merges p's split partials into out and lse (a single split wrote them itself).
+template <typename T> void merge_splits(const AttentionParams &p, cudaStream_t stream) {
+    if (p.n_splits <= 1) return;
+    const size_t smem = merge_smem_floats(p.n_splits, p.head_dim) * sizeof(float);
+    merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), kMergeThreads, smem, stream>>>(p);
+    CUDA_CHECK_LAUNCH("merge_splits_kernel");
+}
+
 // Runs the split-KV kernel with p's split plan (p.n_splits, p.split_tokens, and partial buffers when
 // n_splits > 1), then merges the splits.
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
@@ -93,11 +103,13 @@ void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
     const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads * p.head_tiles), unsigned(p.n_splits)};
     split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile><<<grid, kAttnThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH("split_kv_attention_kernel");
-    if (p.n_splits > 1) {
-        const size_t smem = merge_smem_floats(p.n_splits, p.head_dim) * sizeof(float);
-        merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), kMergeThreads, smem, stream>>>(p);
-        CUDA_CHECK_LAUNCH("merge_splits_kernel");
-    }
+    merge_splits<T>(p, stream);
+}
+
+// The tensor-core decode kernel (attention_mma_decode.cu) with p's split plan, then the merge.
+void launch_decode_mma_and_merge(const AttentionParams &p, DType dtype, cudaStream_t stream) {
+    launch_decode_mma(p, dtype, stream);
+    dispatch_dtype(dtype, [&](auto tag) { merge_splits<typename decltype(tag)::type>(p, stream); });
 }
 
 // Bytes of split partials for n_q queries of n_heads heads in n_splits splits (0 for one split).
@@ -112,6 +124,20 @@ void place_partials(AttentionParams &p, char *ws) {
     const size_t partials = size_t(p.n_q) * p.n_heads * p.n_splits;
     p.partial_out = reinterpret_cast<float *>(ws);
     p.partial_lse = reinterpret_cast<float *>(ws + (partials * p.head_dim * sizeof(float) + 255) / 256 * 256);
+}
+
+// Points p's partials (when it has several splits) into the stream's workspace; if that cannot be
+// allocated, falls back to one split per CTA, which still gives the exact answer.
+void place_stream_partials(AttentionParams &p, cudaStream_t stream) {
+    if (p.n_splits <= 1) return;
+    const size_t bytes = partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits);
+    char *ws = static_cast<char *>(stream_workspace(bytes, stream));
+    if (ws) {
+        place_partials(p, ws);
+    } else {
+        p.split_tokens = std::max(p.n_tokens, 1);
+        p.n_splits = 1;
+    }
 }
 
 // CTAs of one split-KV instantiation resident on the device at once: its occupancy per SM (registers,
@@ -153,6 +179,9 @@ int32_t splits_for(int64_t base_ctas, int64_t resident, int64_t n_tokens, int32_
 // a captured launch stays right as the sequences grow.
 int32_t batch_splits(const BatchView &kv, int32_t n_heads) {
     const int32_t group = n_heads / kv.n_kv_heads;
+    if (decode_mma_applies(kv.dtype, kv.head_dim, group)) // one CTA holds the whole group of a KV head
+        return splits_for(int64_t(kv.n_seqs) * kv.n_kv_heads, decode_mma_resident_ctas(kv.dtype, kv.head_dim, group),
+                          kv.max_tokens, kMinSplitTokens);
     const int32_t head_tiles = (group + group_tile_for(group) - 1) / group_tile_for(group);
     const int64_t base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads * head_tiles;
     return splits_for(base_ctas, resident_ctas_for(kv.dtype, kv.head_dim, group), kv.max_tokens, kMinSplitTokens);
@@ -214,22 +243,22 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
         launch_mma_attention(p, kv.dtype, as_stream(stream));
         return;
     }
+    // One query (a decode step, or one recomputed row: the kernel applies the position mask too)
+    // with a GQA group: tensor cores, one CTA per KV head and split.
+    if (n_q == 1 && decode_mma_applies(kv.dtype, p.head_dim, p.group)) {
+        p.head_tiles = 1;
+        plan_splits(p, kDecodeMmaTileKeys, kMinSplitTokens, decode_mma_resident_ctas(kv.dtype, p.head_dim, p.group));
+        place_stream_partials(p, as_stream(stream));
+        launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream));
+        return;
+    }
     dispatch_dtype(kv.dtype, [&](auto dtype) {
         using T = typename decltype(dtype)::type;
         dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {
             using Sh = decltype(shape);
             plan_splits(p, AttnShape<T, Sh::lanes, Sh::per_lane, Sh::group_tile>::kTileRows, kMinSplitTokens,
                         resident_ctas<T, Sh::lanes, Sh::per_lane, Sh::group_tile>());
-            if (p.n_splits > 1) {
-                const size_t bytes = partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits);
-                char *ws = static_cast<char *>(stream_workspace(bytes, as_stream(stream)));
-                if (ws) {
-                    place_partials(p, ws);
-                } else { // out of memory: one split per CTA still gives the exact answer
-                    p.split_tokens = std::max(p.n_tokens, 1);
-                    p.n_splits = 1;
-                }
-            }
+            place_stream_partials(p, as_stream(stream));
             launch_split_kv<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, as_stream(stream));
         });
     });
@@ -258,6 +287,10 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
         require(workspace && workspace_bytes >= partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits),
                 "batch attention: workspace too small");
         place_partials(p, static_cast<char *>(workspace));
+    }
+    if (decode_mma_applies(kv.dtype, p.head_dim, p.group)) {
+        launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream));
+        return;
     }
     dispatch_dtype(kv.dtype, [&](auto dtype) {
         using T = typename decltype(dtype)::type;

@@ -110,4 +110,20 @@ inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, in
 // Launches the tensor-core attention for p (from attention_params, with out and lse set).
 void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t stream);
 
+// Tensor-core split-KV decode (attention_mma_decode.cu): one query per sequence over every key it
+// sees, the query heads of a GQA group as the rows of one mma tile. Same split plan, partials and
+// merge as the CUDA-core decode kernel; splits are rounded to kDecodeMmaTileKeys slots.
+constexpr int32_t kDecodeMmaTileKeys = 64;
+
+// Whether the tensor-core decode kernel handles (dtype, head_dim, group): bf16/f16, head_dim 64 or
+// 128, groups 2..16. CONDUIT_DECODE_MMA=0 in the environment (read once) turns it off, for A/B runs.
+bool decode_mma_applies(DType dtype, int32_t head_dim, int32_t group);
+
+// CTAs of the decode kernel for this shape resident on the device at once (occupancy x SMs).
+int64_t decode_mma_resident_ctas(DType dtype, int32_t head_dim, int32_t group);
+
+// Launches it for p (attention_params with p.n_splits and, for several splits, the partials set;
+// either n_q == 1 or a batch step with p.seq_n_tokens). The caller merges the splits.
+void launch_decode_mma(const AttentionParams &p, DType dtype, cudaStream_t stream);
+
 } // namespace conduit::kernels::cuda

@@ -5,6 +5,7 @@ on random inputs, and runs it.
     python3 kernels/cuda/emu/run_emu.py            # on the CPU emulator (emu.h): g++ (C++20) and
                                                    # the CUDA headers, no GPU or driver needed; then
                                                    # the stats tests again with CONDUIT_STATS_MMA=0
+                                                   # and the decode ones with CONDUIT_DECODE_MMA=0
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
 """
 import argparse
@@ -67,12 +68,15 @@ def run_on_gpu(build: pathlib.Path, arch: str) -> int:
 
 
 def run_tests(binary: pathlib.Path) -> int:
-    """Every test, then attention_stats again on its CUDA-core path (bf16/f16 at head_dim 64/128 take
-    it only with CONDUIT_STATS_MMA=0)."""
+    """Every test, then attention_stats and the decode grid again on their CUDA-core paths (bf16/f16
+    at head_dim 64/128 take them only with CONDUIT_STATS_MMA=0, CONDUIT_DECODE_MMA=0)."""
     if subprocess.call([str(binary)]) != 0:
         return 1
     print("CONDUIT_STATS_MMA=0:", flush=True)
-    return subprocess.call([str(binary), "stats"], env={**os.environ, "CONDUIT_STATS_MMA": "0"})
+    if subprocess.call([str(binary), "stats"], env={**os.environ, "CONDUIT_STATS_MMA": "0"}) != 0:
+        return 1
+    print("CONDUIT_DECODE_MMA=0:", flush=True)
+    return subprocess.call([str(binary), "decode"], env={**os.environ, "CONDUIT_DECODE_MMA": "0"})
 
 
 def main() -> int:

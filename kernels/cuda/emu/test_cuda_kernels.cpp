@@ -396,8 +396,10 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
 // then batch_attention, CUDA against the CPU. Sequence i's block table is row i of a [n_seqs,
 // stride] table of shuffled blocks and it holds n_tokens[i] tokens; every slot the kernels must not
 // read (past a sequence's length) holds NaN. The split plan depends on the capacity only, so a
-// capacity far above the lengths checks the empty splits too.
-void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, int max_tokens, int rope_type) {
+// capacity far above the lengths checks the empty splits too. empty_seqs: after write_last, the
+// odd-numbered sequences are cut to length 0 (they must give out = 0, lse = -inf).
+void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, int max_tokens, int rope_type,
+               bool empty_seqs = false) {
     const int n_heads = hk * group, stride = (max_tokens + bs - 1) / bs;
     const size_t es = kc::dtype_size(dtype);
     kc::BatchView view;
@@ -446,14 +448,15 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
     Buf<unsigned char> k = random_dense(dtype, int64_t(n_seqs) * hk * d), v = random_dense(dtype, int64_t(n_seqs) * hk * d);
     char name[200];
-    std::snprintf(name, sizeof name, "step %s hk=%d group=%d d=%d bs=%d n_seqs=%d max_tokens=%d rope=%d",
-                  dtype_name(dtype), hk, group, d, bs, n_seqs, max_tokens, rope_type);
+    std::snprintf(name, sizeof name, "step %s hk=%d group=%d d=%d bs=%d n_seqs=%d max_tokens=%d rope=%d empty=%d",
+                  dtype_name(dtype), hk, group, d, bs, n_seqs, max_tokens, rope_type, int(empty_seqs));
     kc::cpu::write_last(cpu_view, k.data(), v.data(), rope, rp, nullptr);
     kc::cuda::write_last(gpu_view, k.data(), v.data(), rope, rp, nullptr);
     device_sync();
     expect(same_values(cpu_pool, gpu_pool, cpu_pool.size(), dtype), std::string(name) + " write_last");
 
     gpu_pool = cpu_pool; // attention over the same bits on both sides
+    for (int i = 1; empty_seqs && i < n_seqs; i += 2) lengths[size_t(i)] = 0;
     Buf<unsigned char> q = random_dense(dtype, int64_t(n_seqs) * n_heads * d, 2.0f);
     const size_t out_elems = size_t(n_seqs) * n_heads * d;
     Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff);
@@ -470,6 +473,26 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
                       2e-3f, out_rtol(dtype));
     for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
     expect(bad == 0, std::string(name) + " batch_attention mismatches=" + std::to_string(bad));
+}
+
+// One decode query through attention() (random positions: masked and NaN slots; one split or
+// several) and batch steps (one long sequence and short ones, some empty), lengths off the 64-slot
+// tile, at the shapes of the tensor-core decode (attention_mma_decode.cu): bf16/f16, head_dim 64/128,
+// GQA groups 2..16 (8 and below: half the mma rows are padding; 12: both halves). Unless
+// CONDUIT_DECODE_MMA=0 (run_emu.py runs this grid again with it: the CUDA-core kernel).
+void test_decode_grid() {
+    const int blocks[] = {1, 4, 16, 64};
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128})
+            for (int group : {2, 4, 8, 12}) {
+                test_attention(t, randint(1, 2), group, d, blocks[randint(0, 3)], randint(1, 130), 1, randint(0, 1));
+                test_attention(t, 1, group, d, blocks[randint(0, 3)], randint(700, 1500), 1, false);
+                test_step(t, 2, group, d, blocks[randint(0, 3)], randint(2, 4), randint(65, 600), 0, true);
+            }
+    test_step(kc::DType::BF16, 1, 4, 128, 16, 4, 2500, 0, true); // many splits, short and empty sequences
+    test_step(kc::DType::F16, 2, 8, 64, 64, 3, 64, 0);           // exactly one tile of capacity
+    test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 1, false);  // no keys at all
+    test_attention(kc::DType::F16, 1, 16, 64, 4, 64, 1, true);     // a full 16-row tile, one key tile
 }
 
 // Top-k: the CUDA radix select against the CPU nth_element (same order key, same tie rule), both
@@ -528,6 +551,11 @@ int main(int argc, char **argv) {
         std::printf("stats: %d checks, %d failures\n", checks, failures);
         return failures == 0 ? 0 : 1;
     }
+    if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grid (run_emu.py: the CUDA-core path)
+        test_decode_grid();
+        std::printf("decode: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
     const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
     const int dims[] = {8, 64, 80, 96, 128, 256};
     const int blocks[] = {1, 4, 16, 64, 256};
@@ -571,6 +599,7 @@ int main(int argc, char **argv) {
             test_step(t, 1, 4, d, 16, 1, 2048 + randint(0, 100), randint(0, 1)); // one long sequence, many splits
         }
     test_step(kc::DType::BF16, 8, 4, 128, 16, 16, 400, 1); // the bench's batch shape, small
+    test_decode_grid();
     test_step(kc::DType::F32, 1, 1, 8, 1, 3, 5, 2);
     std::printf("step: %d checks, %d failures\n", checks, failures);
     test_topk_grid();
