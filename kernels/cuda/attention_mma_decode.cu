@@ -33,6 +33,10 @@
 
 #include "attention_mma_tile.cuh" // the mma primitives, quad_max/quad_sum, allow_dynamic_smem
 
+#ifndef CONDUIT_DECODE_MMA_STAGES // cp.async stages of K/V tiles (a build-time knob, measured on an H200)
+#define CONDUIT_DECODE_MMA_STAGES 2
+#endif
+
 namespace conduit::kernels::cuda {
 namespace {
 
@@ -43,9 +47,10 @@ template <int kHeadDim> struct DecodeShape {
     static constexpr int kWarpKeys = 16;                       // keys of each tile one warp takes
     static constexpr int kTileKeys = kWarps * kWarpKeys;       // slots per pipeline stage
     static_assert(kTileKeys == kDecodeMmaTileKeys, "the split plan rounds to this tile");
-    // Stages in flight: 3 keeps two 32 KiB (head_dim 128) tiles per CTA in flight and still fits two
-    // CTAs (192 KiB) on an SM of 228 KiB, four CTAs at head_dim 64.
-    static constexpr int kStages = 3;
+    // Stages: 2 (64 KiB at head_dim 128) fits three CTAs on an SM of 228 KiB. Measured on an H200
+    // (GQA 4, bf16): 128K keys at 0.867 / 0.822 / 0.548 of copy bandwidth with 2 / 3 / 4 stages (3 and
+    // 2 CTAs, then 1 per SM): more CTAs in flight beat deeper pipelines per CTA.
+    static constexpr int kStages = CONDUIT_DECODE_MMA_STAGES;
     static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks of a K or V row
     static constexpr int kTileChunks = kTileKeys * kRowChunks; // one K (or V) tile
     static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
