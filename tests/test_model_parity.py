@@ -313,3 +313,24 @@ def test_bf16_cuda_logits_track_transformers(checkpoint, reference, processor, n
     our_error = (ours.cpu() - expected).abs().max().item()
     assert our_error <= 2 * hf_error + 1e-2 * expected.abs().max().item(), (our_error, hf_error)
     assert (ours[-1].argmax().item() == expected[-1].argmax().item()) or our_error <= hf_error
+
+
+def test_stack_follows_loads_and_detects_replaced_parameters(model):
+    """load_state_dict(assign=True) restacks; a parameter replaced by hand makes decode take the
+    separate projections (the stale stack is never read)."""
+    attn = model.language_model.layers[1].self_attn
+    h = torch.randn(1, attn.q_proj.in_features)
+    original = {name: p.detach().clone() for name, p in attn.state_dict().items()}
+    try:
+        doubled = {name: 2 * p for name, p in original.items()}
+        attn.load_state_dict(doubled, assign=True)
+        assert attn.stack_current()
+        torch.testing.assert_close(attn.qkv_weight[: attn.q_proj.out_features], doubled["q_proj.weight"])
+        attn.k_proj.weight = torch.nn.Parameter(3 * original["k_proj.weight"], requires_grad=False)
+        assert not attn.stack_current()
+    finally:
+        attn.load_state_dict(original, assign=True)
+    assert attn.stack_current()
+    torch.testing.assert_close(attn.qkv_weight[: attn.q_proj.out_features], original["q_proj.weight"])
+    torch.testing.assert_close(F.linear(h, attn.qkv_weight),
+                               torch.cat([F.linear(h, original[f"{n}_proj.weight"]) for n in "qkv"], dim=-1))

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 transformers = pytest.importorskip("transformers")
@@ -181,3 +182,26 @@ def test_image_key_changes_with_one_pixel_size_params_or_model():
     assert image_key(pixels, PARAMS, MODEL_ID + "-v2") != key
     reordered = dict(reversed(list(PARAMS.items())))
     assert image_key(pixels, reordered, MODEL_ID) == key
+
+
+def test_prepared_image_preprocesses_a_copy_of_its_pixels_on_first_use():
+    from conduit_rt.models.base import PreparedImage
+
+    rgb = np.random.default_rng(0).integers(0, 256, (4, 5, 3), dtype=np.uint8)
+    calls = []
+
+    def preprocess(pixels: np.ndarray) -> np.ndarray:
+        calls.append(pixels.copy())
+        return pixels.astype(np.float32) / 255
+
+    image = PreparedImage(7, preprocess, rgb)
+    want = rgb.astype(np.float32) / 255
+    rgb[:] = 0  # the caller reuses its array: the image keeps what it was given
+    assert not calls and "lazy" in repr(image)
+    np.testing.assert_array_equal(image.pixel_values.numpy(), want)
+    np.testing.assert_array_equal(image.pixel_values.numpy(), want)
+    assert len(calls) == 1 and image.n_tokens == 7
+    ready = PreparedImage(3, pixel_values=torch.ones(3, 2, 2))
+    assert torch.equal(ready.pixel_values, torch.ones(3, 2, 2))
+    with pytest.raises(ValueError):
+        PreparedImage(3)

@@ -65,11 +65,16 @@ class PreparedImage:
 
     __slots__ = ("n_tokens", "grid_thw", "_rgb", "_preprocess", "_pixels")
 
-    def __init__(self, n_tokens: int, preprocess: Callable[[np.ndarray], np.ndarray], rgb: np.ndarray,
-                 grid_thw: tuple[int, int, int] | None = None) -> None:
+    def __init__(self, n_tokens: int, preprocess: Callable[[np.ndarray], np.ndarray] | None = None,
+                 rgb: np.ndarray | None = None, grid_thw: tuple[int, int, int] | None = None,
+                 pixel_values: torch.Tensor | None = None) -> None:
+        """Either ``preprocess`` and ``rgb`` ([H, W, 3] uint8, copied: the caller may reuse its array),
+        or ready ``pixel_values``."""
+        if pixel_values is None and (preprocess is None or rgb is None):
+            raise ValueError("PreparedImage needs pixel_values, or preprocess and rgb")
         self.n_tokens, self.grid_thw = n_tokens, grid_thw
-        self._rgb, self._preprocess = rgb, preprocess
-        self._pixels: torch.Tensor | None = None
+        self._rgb = None if pixel_values is not None else np.array(rgb, dtype=np.uint8, copy=True)
+        self._preprocess, self._pixels = preprocess, pixel_values
 
     @property
     def pixel_values(self) -> torch.Tensor:
@@ -77,6 +82,10 @@ class PreparedImage:
             self._pixels = torch.from_numpy(self._preprocess(self._rgb))
             self._rgb = None  # the pixels are all the tower needs from now on
         return self._pixels
+
+    def __repr__(self) -> str:
+        state = "prepared" if self._pixels is not None else "lazy"
+        return f"PreparedImage(n_tokens={self.n_tokens}, grid_thw={self.grid_thw}, pixels {state})"
 
 
 class LayerCapture(Protocol):

@@ -10,8 +10,8 @@ definition: the Triton kernels round every intermediate to the model dtype where
 (transformers' LlamaRMSNorm, ``silu(gate) * up``, ``x cos + rotate_half(x) sin`` with cos and sin
 cast to the dtype), so they agree with it to the last bit or one unit in the last place.
 
-``linear`` of a single row (a decode step) is a Triton GEMV that streams the weight at 0.79-0.88 of
-the copy bandwidth on an H200 where cuBLAS's M = 1 kernels reach 0.41-0.73 (tools/bench_gemv.py);
+``linear`` of a single row (a decode step) is a Triton GEMV that streams the weight at 0.57-0.94 of
+the copy bandwidth on an H200 where cuBLAS's M = 1 kernels reach 0.43-0.82 (docs/benchmarks/gemv.md);
 several rows, or the CPU, go to ``F.linear``. Its float32 sum runs in another order than cuBLAS's.
 
 Shapes: x, delta [..., hidden] (contiguous); gate_up [..., 2 intermediate]; q [n, heads, head_dim]
@@ -62,6 +62,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from their stack gate_up [..., 2 width] (gate first): [..., width], each
     rounded to the dtype as in torch."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul needs gate and up stacked on the last dimension, got {gate_up.shape[-1]} columns")
     if _on_gpu(gate_up):
         return _triton().silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -80,8 +82,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight [out, in]^T + bias [out] -> [n, out], as ``F.linear``."""
-    if (x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES and x.dtype == weight.dtype
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())) and _on_gpu(x, weight)):
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1] > 0
+            and x.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_cuda
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()))
+            and _on_gpu(x, weight)):  # anything else (and every error message) is F.linear's
         return _triton().gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -59,19 +59,37 @@ def stack_rows(linears: list[nn.Linear], name: str) -> torch.Tensor:
 
 
 class StackedProjections(nn.Module):
-    """A module whose projections ``stack_projections`` can lay out as one tensor. Conversions
-    (``module.to``, ``.double()``) replace the parameters with new tensors: the stack is then rebuilt
-    from them, so that it never holds stale values and the parameters stay views of it."""
+    """A module whose projections ``stack_projections`` lays out as one tensor each, the parameters
+    becoming views of it. Anything that replaces a parameter afterwards (``module.to``, ``.double()``,
+    ``load_state_dict(assign=True)``, assigning ``.weight`` or ``.data``) leaves the stack stale:
+    conversions and loads rebuild it, and ``stack_current`` (checked before each use) sees the rest,
+    whose callers then take the separate projections."""
 
-    stacked = False
+    def __init__(self) -> None:
+        super().__init__()
+        self._views: list[tuple[nn.Linear, str, int]] = []  # (module, parameter, data_ptr it must keep)
+        self.register_load_state_dict_post_hook(lambda module, _incompatible: module._restack())
 
     def stack_projections(self) -> None:
         raise NotImplementedError
 
+    def _stack(self, linears: list[nn.Linear], name: str) -> torch.Tensor:
+        stacked = stack_rows(linears, name)
+        self._views += [(linear, name, getattr(linear, name).data_ptr()) for linear in linears]
+        return stacked
+
+    def stack_current(self) -> bool:
+        """Whether the parameters are still the views of the stack made by ``stack_projections``."""
+        return bool(self._views) and all(getattr(m, name).data_ptr() == ptr for m, name, ptr in self._views)
+
+    def _restack(self) -> None:
+        if self._views and not self.stack_current():
+            self._views = []
+            self.stack_projections()
+
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
-        if self.stacked:
-            self.stack_projections()
+        self._restack()
         return result
 
 
@@ -129,9 +147,8 @@ class LlamaAttention(StackedProjections):
 
     def stack_projections(self) -> None:
         projections = [self.q_proj, self.k_proj, self.v_proj]
-        self.qkv_weight = stack_rows(projections, "weight")
-        self.qkv_bias = stack_rows(projections, "bias") if self.q_proj.bias is not None else None
-        self.stacked = True
+        self.qkv_weight = self._stack(projections, "weight")
+        self.qkv_bias = self._stack(projections, "bias") if self.q_proj.bias is not None else None
 
     def forward(
         self,
@@ -144,7 +161,7 @@ class LlamaAttention(StackedProjections):
     ) -> torch.Tensor:
         """h [n, hidden] (normed) -> attention output [n, hidden]; writes the layer's K, V for the n tokens."""
         n = h.shape[0]
-        if n == 1 and self.qkv_weight is not None:  # a decode step: one GEMV over the stack
+        if n == 1 and self.stack_current():  # a decode step: one GEMV over the stack
             q, k, v = fused.linear(h, self.qkv_weight, self.qkv_bias).split(self.qkv_rows, dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
@@ -168,12 +185,11 @@ class LlamaMLP(StackedProjections):
         self.gate_up_weight: torch.Tensor | None = None  # [2 intermediate, hidden] after stack_projections
 
     def stack_projections(self) -> None:
-        self.gate_up_weight = stack_rows([self.gate_proj, self.up_proj], "weight")
-        self.stacked = True
+        self.gate_up_weight = self._stack([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; gate and up as one product over their stack."""
-        if self.gate_up_weight is None:
+        if not self.stack_current():
             gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
         else:
             gate_up = fused.linear(x, self.gate_up_weight)
@@ -247,7 +263,7 @@ class LlamaDecoder(nn.Module):
         x, delta = embeds, None
         for index, layer in enumerate(self.layers):
             x, delta = layer(index, seq, x, delta, batch, self.rotary, capture)
-        return x + delta
+        return x if delta is None else x + delta
 
     def forward_layer(
         self, index: int, seq, x: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None = None
