@@ -6,6 +6,8 @@
 // mma_m16n8k16 with the same fragment layouts, so the kernel can be checked on a CPU.
 #pragma once
 
+#include <cstdlib>
+
 #include "attention_shape.cuh"
 
 namespace conduit::kernels::cuda {
@@ -100,11 +102,22 @@ inline float fast_exp2(float x) { return exp2f(x); }
 // CONDUIT_MMA_WARPS=4 or 8 in the environment forces one (read once; for measuring both).
 int mma_warps_for(const AttentionParams &p);
 
+// Whether the tensor-core kernels (mma.sync m16n8k16 on 16-bit operands, tiles for head_dim 64 and
+// 128) can take a layer of this dtype and head_dim.
+inline bool mma_tiles_fit(DType dtype, int32_t head_dim) {
+    return (dtype == DType::BF16 || dtype == DType::F16) && (head_dim == 64 || head_dim == 128);
+}
+
+// False when the environment variable `name` is "0" (a tensor-core path turned off for measuring the
+// CUDA-core one); read by the caller once per process.
+inline bool env_not_zero(const char *name) {
+    const char *value = std::getenv(name);
+    return !(value && value[0] == '0' && value[1] == '\0');
+}
+
 // Whether attention.cu should take the tensor-core path for these shapes.
 inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, int32_t group) {
-    const bool half_type = dtype == DType::BF16 || dtype == DType::F16;
-    const bool dims = head_dim == 64 || head_dim == 128;
-    return half_type && dims && (n_q >= 16 || int64_t(n_q) * group >= 64);
+    return mma_tiles_fit(dtype, head_dim) && (n_q >= 16 || int64_t(n_q) * group >= 64);
 }
 
 // Launches the tensor-core attention for p (from attention_params, with out and lse set).

@@ -28,8 +28,6 @@
 #include <math_constants.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "attention_mma_tile.cuh" // the mma primitives, quad_max/quad_sum, allow_dynamic_smem
 
@@ -359,12 +357,8 @@ template <typename F> void dispatch_decode(DType dtype, int32_t head_dim, int32_
 } // namespace
 
 bool decode_mma_applies(DType dtype, int32_t head_dim, int32_t group) {
-    static const bool enabled = [] {
-        const char *env = std::getenv("CONDUIT_DECODE_MMA");
-        return !(env && std::strcmp(env, "0") == 0);
-    }();
-    const bool half_type = dtype == DType::BF16 || dtype == DType::F16;
-    return enabled && half_type && (head_dim == 64 || head_dim == 128) && group >= 2 && group <= 16;
+    static const bool enabled = env_not_zero("CONDUIT_DECODE_MMA");
+    return enabled && mma_tiles_fit(dtype, head_dim) && group >= 2 && group <= 16;
 }
 
 int64_t decode_mma_resident_ctas(DType dtype, int32_t head_dim, int32_t group) {

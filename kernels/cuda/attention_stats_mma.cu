@@ -16,8 +16,6 @@
 //     all row tiles and the 8 lanes of a column are summed once, at the end; every row tile has one
 //     head, so the count of scores below the cut is a register flushed when the head changes.
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "attention_mma_tile.cuh"
 #include "attention_stats.cuh"
@@ -366,12 +364,8 @@ void launch_typed(const AttentionParams &p, float threshold, float *mass, float 
 } // namespace
 
 bool mma_stats_applies(DType dtype, int32_t head_dim, const void *q) {
-    static const bool enabled = [] {
-        const char *env = std::getenv("CONDUIT_STATS_MMA");
-        return !(env && std::strcmp(env, "0") == 0);
-    }();
-    const bool half_type = dtype == DType::BF16 || dtype == DType::F16;
-    return enabled && half_type && (head_dim == 64 || head_dim == 128) && aligned16(q);
+    static const bool enabled = env_not_zero("CONDUIT_STATS_MMA");
+    return enabled && mma_tiles_fit(dtype, head_dim) && aligned16(q);
 }
 
 void launch_mma_stats(const AttentionParams &p, DType dtype, float threshold, float *mass, float *n_below, float *lse,
