@@ -1,5 +1,6 @@
 """The decoder's elementwise chains as single kernels: RMSNorm (with the residual add before it),
-SiLU-gated product (of the stacked gate/up projection), and rotate-half RoPE of the queries; and the one-token matrix-vector product.
+SiLU-gated product (of the stacked gate/up projection), and rotate-half RoPE of the queries; and the
+one-token matrix-vector product.
 
 In torch each of these is a chain of small kernels (an RMSNorm in float32 is seven). A decode step
 of a 7B decoder runs about 37 kernels a layer, two thirds of them elementwise ops on one row that
@@ -80,6 +81,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return rotate_torch(x, cos, sin)
 
 
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight [out, in]^T + bias [out] -> [n, out], as ``F.linear``."""
     if (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1] > 0
@@ -88,9 +92,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and _on_gpu(x, weight)):  # anything else (and every error message) is F.linear's
         return _triton().gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
