@@ -75,7 +75,6 @@ __device__ __forceinline__ void load_decode_tile(const AttentionParams &p, const
     using S = DecodeShape<kHeadDim>;
     constexpr int kChunksPerThread = S::kTileChunks / S::kThreads;
     const T *pool = static_cast<const T *>(p.pool);
-    const int32_t block_mask = (1 << p.block_shift) - 1;
     const T *k_src[kChunksPerThread];
     bool seen[kChunksPerThread];
 #pragma unroll
@@ -85,11 +84,7 @@ __device__ __forceinline__ void load_decode_tile(const AttentionParams &p, const
         const int32_t slot = tile_start + row;
         seen[i] = slot < end && (!p.positions || p.positions[slot] <= q_position);
         k_src[i] = pool;
-        if (seen[i]) {
-            const int64_t block = table[slot >> p.block_shift];
-            k_src[i] = pool + block * p.block_elems +
-                       ((int64_t(kv_head) << p.block_shift) + (slot & block_mask)) * kHeadDim + chunk * 8;
-        }
+        if (seen[i]) k_src[i] = paged_key_chunk<T, kHeadDim>(p, table, kv_head, slot, chunk);
     }
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
@@ -102,21 +97,19 @@ __device__ __forceinline__ void load_decode_tile(const AttentionParams &p, const
     }
 }
 
-// Q rows of the CTA as A fragments (see the header comment): q_frag[k] covers dims 16k .. 16k+15.
-// Rows at or past the group are zero.
+// Q rows of the CTA as A fragments (load_q): fragment row r is head r of the group, rows at or past
+// the group are zero.
 template <int kHeadDim>
 __device__ __forceinline__ void load_group_q(const AttentionParams &p, int32_t qi, int32_t kv_head,
                                              uint32_t (&q_frag)[kHeadDim / 16][4]) {
-    const uint16_t *q = static_cast<const uint16_t *>(p.q);
-    const int32_t lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int32_t g = threadIdx.x % 32 / 4;
+    WarpRows rows{};
 #pragma unroll
-    for (int k = 0; k < kHeadDim / 16; ++k)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int32_t row = g + 8 * (j % 2), dim = 16 * k + 8 * (j / 2) + 2 * t;
-            const uint16_t *src = q + (int64_t(qi) * p.n_heads + kv_head * p.group + row) * kHeadDim + dim;
-            q_frag[k][j] = row < p.group ? uint32_t(src[0]) | (uint32_t(src[1]) << 16) : 0u;
-        }
+    for (int r = 0; r < 2; ++r) {
+        rows.out_row[r] = int64_t(qi) * p.n_heads + kv_head * p.group + g + 8 * r;
+        rows.valid[r] = g + 8 * r < p.group;
+    }
+    load_q<kHeadDim>(p, rows, q_frag);
 }
 
 // One warp's softmax state over the keys it has seen: per fragment row half (g, g+8) the running

@@ -21,11 +21,13 @@ template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const A
 // per element), or every slot visible to every row (no mask: most tiles of a causal prefill).
 enum TileView : int { kTileHidden = 0, kTileMasked = 1, kTileOpen = 2 };
 
-// The 16-byte chunk `chunk` of the K row of (slot, kv_head) in the paged pool (its V row is p.v_delta
-// elements further).
+// The 16-byte chunk `chunk` of the K row of (slot, kv_head) in the paged pool, through block table
+// `table` (p.block_table, or a decode step's per-sequence row); its V row is p.v_delta
+// elements further.
 template <typename T, int kHeadDim>
-__device__ __forceinline__ const T *paged_key_chunk(const AttentionParams &p, int32_t kv_head, int32_t slot, int32_t chunk) {
-    const int64_t block = p.block_table[slot >> p.block_shift];
+__device__ __forceinline__ const T *paged_key_chunk(const AttentionParams &p, const int32_t *table, int32_t kv_head,
+                                                    int32_t slot, int32_t chunk) {
+    const int64_t block = table[slot >> p.block_shift];
     const int32_t block_mask = (1 << p.block_shift) - 1;
     return static_cast<const T *>(p.pool) + block * p.block_elems +
            ((int64_t(kv_head) << p.block_shift) + (slot & block_mask)) * kHeadDim + chunk * 8;
@@ -57,7 +59,7 @@ __device__ __forceinline__ TileView load_tile(const AttentionParams &p, int32_t 
         const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
         const int32_t slot = tile_start + row;
         const bool ok = slot < p.n_tokens && stage_pos[row] <= max_q_pos;
-        const T *k_src = ok ? paged_key_chunk<T, kHeadDim>(p, kv_head, slot, chunk) : pool;
+        const T *k_src = ok ? paged_key_chunk<T, kHeadDim>(p, p.block_table, kv_head, slot, chunk) : pool;
         const int dst = swizzled<S::kRowChunks>(row, chunk);
         cp_async16(stage + dst, k_src, ok);
         if constexpr (kWithValues) cp_async16(stage + S::kTileChunks + dst, ok ? k_src + p.v_delta : pool, ok);

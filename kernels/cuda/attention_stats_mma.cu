@@ -122,7 +122,7 @@ __device__ __forceinline__ void load_key_block(const AttentionParams &p, int32_t
         const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
         const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks, slot = block_start + row;
         const bool ok = slot < p.n_tokens;
-        cp_async16(keys + swizzled<S::kRowChunks>(row, chunk), ok ? paged_key_chunk<T, kHeadDim>(p, kv_head, slot, chunk) : p.pool, ok);
+        cp_async16(keys + swizzled<S::kRowChunks>(row, chunk), ok ? paged_key_chunk<T, kHeadDim>(p, p.block_table, kv_head, slot, chunk) : p.pool, ok);
     }
 }
 
