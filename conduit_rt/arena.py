@@ -226,6 +226,15 @@ def _key(key: bytes):
     return native.ffi().new("uint8_t[32]", bytes(key))
 
 
+def _output_like(arena: KVArena, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention's output buffer: ``out`` checked to be a contiguous tensor of q's shape and
+    dtype on the arena device, or a new one."""
+    if out is None:
+        return torch.empty_like(q)
+    arena.ptr(out, "out", list(q.shape), q.dtype)
+    return out
+
+
 class _Child:
     """A native object owned by an arena; detached (unusable) once the arena is closed."""
 
@@ -360,16 +369,18 @@ class Sequence(_Child):
                      "restoring image entries")
 
     def attention(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                  return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  return_lse: bool = False, out: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Causal-by-position attention of q [n_q, n_heads, head_dim] (positions q_pos int32 [n_q] on
-        the arena device) over the layer. Returns out [n_q, n_heads, head_dim] (and lse float32
-        [n_q, n_heads] natural log)."""
+        the arena device) over the layer. Returns out [n_q, n_heads, head_dim] (written into ``out``
+        when given, a contiguous tensor of that shape) and, with return_lse, lse float32 [n_q,
+        n_heads] natural log."""
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise InvalidArgumentError("q must be a [n_q, n_heads, head_dim] tensor")
         n_q, n_heads = int(q.shape[0]), int(q.shape[1])
         qp = self.arena.ptr(q, "q", [n_q, n_heads, self.arena.head_dim])
         pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
-        out = torch.empty_like(q)
+        out = _output_like(self.arena, q, out)
         lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device) if return_lse else None
         native.check(self._lib.conduit_seq_attention(
             self.handle, layer, n_q, n_heads, qp, self._ffi.cast("int32_t *", pp), float(scale),
@@ -467,13 +478,15 @@ class DecodeStep(_Child):
                      "writing a decode step's KV")
 
     def attention(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor | None = None, scale: float = 1.0,
-                  return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  return_lse: bool = False, out: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [n_seqs, n_heads, head_dim] over every stored token of each query's own
-        sequence. ``q_pos`` is not read (a decode query comes after every stored token, as ``prepare``
-        checked); it is accepted so that a step stands in for a ``Sequence``."""
+        sequence (into ``out`` when given). ``q_pos`` is not read (a decode query comes after every
+        stored token, as ``prepare`` checked); it is accepted so that a step stands in for a
+        ``Sequence``."""
         self._require_prepared()
         qp = self.arena.ptr(q, "q", [self.n_seqs, self.n_heads, self.arena.head_dim])
-        out = torch.empty_like(q)
+        out = _output_like(self.arena, q, out)
         lse = torch.empty(self.n_seqs, self.n_heads, dtype=torch.float32, device=q.device) if return_lse else None
         native.check(self._lib.conduit_step_attention(
             self.handle, layer, qp, float(scale), self._ffi.cast("void *", out.data_ptr()),

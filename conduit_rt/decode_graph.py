@@ -91,10 +91,6 @@ class GraphedDecoder:
             self._step.prepare([scratch], [0])
             self._fill_inputs(0, 0, 0)
             self._forward()
-            # Refill the inputs (bumping their versions): tables derived from them, such as RoPE's
-            # cos/sin cached per forward pass, are then computed inside the graph, not taken from
-            # the warm-up.
-            self._fill_inputs(0, 0, 0)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = self._forward()

@@ -81,7 +81,9 @@ def to_rgb_array(image: ImageInput | np.ndarray) -> np.ndarray:
         rgba = pil.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         pil = Image.alpha_composite(white, rgba)
-    return np.asarray(pil.convert("RGB"), dtype=np.uint8)
+    if pil.mode != "RGB":  # convert copies even within a mode: only when it changes something
+        pil = pil.convert("RGB")
+    return np.asarray(pil, dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +368,7 @@ def image_key(pixels: ImageInput | np.ndarray, preprocess_params: dict, vision_m
     digest = hashlib.sha256(_KEY_DOMAIN)
     for part in (
         canonical_json(list(rgb.shape)),
-        rgb.tobytes(),
+        memoryview(rgb).cast("B"),  # the pixels' bytes without copying them (rgb is C-contiguous)
         canonical_json(preprocess_params),
         vision_model_id.encode("utf-8"),
     ):

@@ -132,6 +132,8 @@ class ReusePass:
     store: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> prompt positions to store
     observe: list[int] = field(default_factory=list)  # further positions whose final q is kept (compression)
     stats: ReuseStats = field(default_factory=ReuseStats)
+    # runs a pass (model.forward's contract); PrefillGraphs.forward replays small passes' dense work
+    forward: object = None
 
     def run(self, policy: RefreshPolicy | None, ratio: float, options: RefreshOptions) -> tuple[torch.Tensor, PassCapture]:
         """Returns the last prompt token's logits [vocab] and the text pass's capture."""
@@ -166,8 +168,11 @@ class ReusePass:
         self.stats.prefill_flops += config.n_layers * _flops(config, rows)
         capture.store = {}  # images to store keep the KV of the text pass: the request first computed them there
         capture.begin_chunk(rows)
-        out = self.model.forward(self.seq, self.embed(rows), self._batch(rows), capture)
+        out = self._pass(self.seq, self.embed(rows), self._batch(rows), capture)
         return self.model.logits(out[-1:])[0], capture
+
+    def _pass(self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: PassCapture) -> torch.Tensor:
+        return (self.forward or self.model.forward)(seq, embeds, batch, capture)
 
     # -- steps ------------------------------------------------------------------------------------
     def _restore(self) -> list[bool]:
@@ -190,7 +195,7 @@ class ReusePass:
         for lo in range(0, len(positions), CHUNK):
             chunk = positions[lo: lo + CHUNK]
             capture.begin_chunk(chunk)
-            hidden = self.model.forward(self.seq, self.embed(chunk), self._batch(chunk), capture)
+            hidden = self._pass(self.seq, self.embed(chunk), self._batch(chunk), capture)
         return hidden
 
     def _batch(self, positions: list[int]) -> ForwardBatch:

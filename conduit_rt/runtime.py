@@ -24,6 +24,7 @@ import torch
 from . import native
 from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
 from .decode_graph import GraphedDecoder
+from .prefill_graph import PrefillGraphs
 from .errors import ArenaFullError, RequestError
 from .image_cache import EmbeddingCache, ImageKVStore
 from .models.base import ForwardBatch, PreparedImage
@@ -125,7 +126,9 @@ class Runtime:
             it); the embedding cache gets a sixteenth of this on top.
         prefix_cache_entries: recent sequences kept for exact-prefix reuse across requests.
         cuda_graphs: on a CUDA device, replay each decode step from a captured CUDA graph
-            (``decode_graph.GraphedDecoder``) instead of launching it from Python.
+            (``decode_graph.GraphedDecoder``) instead of launching it from Python, and the dense work
+            of prefill passes of up to 1024 tokens between their attentions
+            (``prefill_graph.PrefillGraphs``).
     """
 
     def __init__(self, model_path: str | Path, mmproj: str | Path | None = None, device: str | torch.device = "auto",
@@ -164,7 +167,9 @@ class Runtime:
         self.image_kv = ImageKVStore(self.arena)
         self.embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
         self.prefix_cache = PrefixCache(prefix_cache_entries)
-        self.graphed_decoder = GraphedDecoder(model, self.arena) if cuda_graphs and self.device.type == "cuda" else None
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphed_decoder = GraphedDecoder(model, self.arena) if graphs else None
+        self.prefill_graphs = PrefillGraphs(model) if graphs else None
 
     def _kv_bytes(self, requested: int | None) -> int:
         if requested is not None:
@@ -265,7 +270,7 @@ class Runtime:
             reuse = ReusePass(self.model, seq, request.rope, n, reused, restored,
                               lambda positions: self._embeddings(request, positions),
                               request.query_positions(spec.options.query_tokens), store,
-                              self._observed(request, squeeze))
+                              self._observed(request, squeeze), forward=self._pass_forward())
             logits, capture = reuse.run(spec.policy, spec.ratio, spec.options)
             for key in store:
                 self.image_kv.store(key, *capture.stored(key, self.model.config.n_layers))
@@ -360,11 +365,16 @@ class Runtime:
         seq = self.arena.new_sequence()
         try:
             fill = ReusePass(self.model, seq, wrapper.rope, len(prompt.token_ids), 0, [],
-                             lambda positions: self._embeddings(wrapper, positions), [], span)
+                             lambda positions: self._embeddings(wrapper, positions), [], span,
+                             forward=self._pass_forward())
             _, capture = fill.run(None, 0.0, RefreshOptions())
             self.image_kv.store(key, *capture.stored(key, self.model.config.n_layers))
         finally:
             seq.free()
+
+    def _pass_forward(self):
+        """What runs a prefill pass: the graph-replayed one on CUDA (unless cuda_graphs=False)."""
+        return self.prefill_graphs.forward if self.prefill_graphs is not None else self.model.forward
 
     def _embeddings(self, request: _Request, positions: list[int]) -> torch.Tensor:
         """Input embeddings of prompt positions: [len(positions), hidden], model dtype; image tokens

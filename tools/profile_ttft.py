@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Where the host time of a warm CONDUIT request goes, on a GPU: ``conduit bench``'s end-to-end
-setup (LLaVA-1.5-7B-shaped random model, 8 images seen once), then its ``second`` request (the
-images under a changed prefix and order, refresh conduit at 10%, one token) under torch.profiler.
-Prints the wall time, the device-busy time, and the host-side calls by self CPU time (CUDA runtime
-calls such as cudaStreamSynchronize or pageable cudaMemcpyAsync show where the host waits).
+"""Where the time of a warm CONDUIT request goes, on a GPU: ``conduit bench``'s end-to-end setup
+(LLaVA-1.5-7B-shaped random model, 8 images seen once), then its ``second`` request (the images
+under a changed prefix and order, refresh conduit at 10%, one token) under torch.profiler. Prints
+the wall time, the device-busy time, the host-side calls by self CPU time (CUDA runtime calls such
+as cudaStreamSynchronize show where the host waits) and the kernels by device time.
 
     python3 tools/profile_ttft.py [--out profile_ttft.json]
 """
@@ -40,13 +40,20 @@ def main() -> None:
     device_us = sum(getattr(e, "self_device_time_total", 0) for e in averages)
     host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:30]
     rows = [{"name": e.key[:80], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in host]
+    kernels = sorted((e for e in averages if getattr(e, "self_device_time_total", 0) > 0),
+                     key=lambda e: -e.self_device_time_total)[:30]
+    device_rows = [{"name": e.key[:100], "calls": e.count, "device_ms": e.self_device_time_total / 1e3}
+                   for e in kernels]
     summary = {"wall_ms": wall * 1e3, "ttft_ms": result.stats.ttft_s * 1e3, "device_busy_ms": device_us / 1e3,
-               "top_host": rows}
+               "top_host": rows, "top_device": device_rows}
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wall {wall * 1e3:.1f} ms, ttft {result.stats.ttft_s * 1e3:.1f} ms, device busy {device_us / 1e3:.1f} ms")
     for r in rows:
         print(f"{r['self_cpu_ms']:8.2f} ms {r['calls']:6d} x  {r['name']}")
+    print("device time by kernel:")
+    for r in device_rows:
+        print(f"{r['device_ms']:8.2f} ms {r['calls']:6d} x  {r['name']}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Phases (exclusive times: a phase's nested phases are subtracted from it):
   text pass   ``ReusePass._forward``: every non-restored token through all layers
   scoring     ``reuse._PassScores.attention``: the per-layer attention statistics
   selection   ``refresh.Conduit.select`` without the scoring inside it
-  recompute   ``model.forward`` called by ``ReusePass.run`` itself (the recompute pass)
+  recompute   ``ReusePass._pass`` called by ``ReusePass.run`` itself (the recompute pass, eager or
+              replayed from the prefill graphs)
 Each wrapper synchronizes the device at its entry and exit, so the instrumented request runs a
 little slower than an untimed one; the TTFT targets use untimed requests.
 """
@@ -25,10 +26,10 @@ PHASES = ("restore", "text pass", "scoring", "selection", "recompute", "other")
 
 
 class PhaseClock:
-    """``with PhaseClock(model, device) as clock: runtime.generate(...)``; then ``clock.phases(ttft)``."""
+    """``with PhaseClock(device) as clock: runtime.generate(...)``; then ``clock.phases(ttft)``."""
 
-    def __init__(self, model, device: torch.device) -> None:
-        self.model, self.device = model, torch.device(device)
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
         self.exclusive: dict[str, float] = defaultdict(float)
         self.inclusive: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []  # [label, seconds spent in nested phases]
@@ -40,7 +41,7 @@ class PhaseClock:
         self._patch(reuse.ReusePass, "_forward", "text pass")
         self._patch(reuse._PassScores, "attention", "scoring")
         self._patch(refresh.Conduit, "select", "selection")
-        self._patch(self.model, "forward", "recompute", only_under="prefill")
+        self._patch(reuse.ReusePass, "_pass", "recompute", only_under="prefill")
         return self
 
     def __exit__(self, *exc) -> None:

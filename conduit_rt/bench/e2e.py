@@ -92,7 +92,7 @@ class EndToEnd:
     def phases(self, label: str, messages: list[dict], repeats: int, **kwargs) -> dict:
         runs = []
         for _ in range(repeats):
-            with PhaseClock(self.model, self.device) as clock:
+            with PhaseClock(self.device) as clock:
                 result = self.request(label, messages, max_tokens=1, **kwargs)
             runs.append(clock.phases(result.stats.ttft_s))
         return {phase: sorted(r[phase] for r in runs)[len(runs) // 2] for phase in runs[0]}

@@ -5,7 +5,9 @@ the kernel rotating K at ``rope_positions`` -> q rotated in torch with the same 
 causal-by-position attention over every stored token of the layer (the native kernel) -> o_proj ->
 residual -> RMSNorm -> SwiGLU MLP -> residual. Module and parameter names follow transformers'
 ``LlamaModel`` so that the code reads like the reference; ``gguf_tensor_map`` says which GGUF tensor
-fills each parameter.
+fills each parameter. A layer runs as three parts, ``pre_attention`` (norm, projections, q rotation),
+``LlamaAttention.attend`` (the native KV write and attention) and ``post_attention`` (output
+projection, norm, MLP), so that ``prefill_graph`` can replay the dense parts from CUDA graphs.
 
 After loading, ``stack_projections`` lays q/k/v and gate/up out as row blocks of one tensor each (the
 parameters become views of it): a decode step reads each stack with one GEMV (``fused.linear``)
@@ -150,30 +152,33 @@ class LlamaAttention(StackedProjections):
         self.qkv_weight = self._stack(projections, "weight")
         self.qkv_bias = self._stack(projections, "bias") if self.q_proj.bias is not None else None
 
-    def forward(
-        self,
-        layer: int,
-        seq,
-        h: torch.Tensor,
-        batch: ForwardBatch,
-        rotary: RotaryEmbedding,
-        capture: LayerCapture | None,
-    ) -> torch.Tensor:
-        """h [n, hidden] (normed) -> attention output [n, hidden]; writes the layer's K, V for the n tokens."""
+    def project(self, h: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [n, hidden] (normed) -> q [n, n_heads, head_dim] rotated with the RoPE ``tables`` (cos,
+        sin [n, n_freq], ``RotaryEmbedding.tables``), and k, v [n, n_kv_heads, head_dim] before RoPE
+        (the arena rotates K as it stores it), all contiguous."""
         n = h.shape[0]
         if n == 1 and self.stack_current():  # a decode step: one GEMV over the stack
             q, k, v = fused.linear(h, self.qkv_weight, self.qkv_bias).split(self.qkv_rows, dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q = q.view(n, self.n_heads, self.head_dim)
-        k = k.view(n, self.n_kv_heads, self.head_dim)
-        v = v.view(n, self.n_kv_heads, self.head_dim)
+        q = fused.rotate(q.view(n, self.n_heads, self.head_dim), *tables).contiguous()
+        return q, k.view(n, self.n_kv_heads, self.head_dim), v.view(n, self.n_kv_heads, self.head_dim)
+
+    def attend(self, layer: int, seq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+               capture: LayerCapture | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the n tokens' K (rotated at ``batch.rope_positions``) and V into the layer's slots,
+        then attends q over every stored token of the layer, causal by position: [n, n_heads,
+        head_dim] (into ``out`` when given)."""
         seq.write_kv(layer, k, v, batch.slots, rope_pos=batch.rope_positions)
-        q = rotary.apply(q, batch.rope_positions).contiguous()
         if capture is not None:
             capture.on_layer(layer, q, k, v)
-        out = seq.attention(layer, q, batch.positions, self.scale)  # [n, n_heads, head_dim]
-        return fused.linear(out.view(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        return seq.attention(layer, q, batch.positions, self.scale, out=out)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """The output projection: attention [n, n_heads, head_dim] -> [n, hidden]."""
+        return fused.linear(attn.view(attn.shape[0], self.n_heads * self.head_dim), self.o_proj.weight,
+                            self.o_proj.bias)
 
 
 class LlamaMLP(StackedProjections):
@@ -204,6 +209,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden, config.intermediate)
 
+    # A layer is three parts so that a prefill pass can replay the dense ones from CUDA graphs
+    # (prefill_graph.py) around the native attention, which runs eagerly.
+    def pre_attention(self, x: torch.Tensor, delta: torch.Tensor | None, tables: tuple[torch.Tensor, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's input is x + delta (delta None: x), [n, hidden]; returns it (the residual) and
+        the attention's q, k, v (``LlamaAttention.project``)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = fused.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+        return (x, *self.self_attn.project(h, tables))
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual x [n, hidden] and the attention [n, n_heads, head_dim] -> the layer's output as
+        the two terms of its last residual add, which the next layer's norm adds in the same kernel."""
+        post = self.post_attention_layernorm
+        x, h = fused.add_rms_norm(x, self.self_attn.output(attn), post.weight, post.eps)
+        return x, self.mlp(h)
+
     def forward(
         self,
         layer: int,
@@ -211,19 +235,14 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         delta: torch.Tensor | None,
         batch: ForwardBatch,
-        rotary: RotaryEmbedding,
+        tables: tuple[torch.Tensor, torch.Tensor],
         capture: LayerCapture | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input is x + delta (delta None: x), [n, hidden]; returns its output as the two
-        terms of the last residual add, which the next layer's norm adds in the same kernel."""
-        if delta is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = fused.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
-        attn = self.self_attn(layer, seq, h, batch, rotary, capture)
-        post = self.post_attention_layernorm
-        x, h = fused.add_rms_norm(x, attn, post.weight, post.eps)  # the residual add and the next norm at once
-        return x, self.mlp(h)
+        """x + delta [n, hidden] -> the layer's output (x, delta); writes the layer's K, V of the n
+        tokens. ``tables``: the pass's RoPE cos and sin."""
+        x, q, k, v = self.pre_attention(x, delta, tables)
+        attn = self.self_attn.attend(layer, seq, q, k, v, batch, capture)
+        return self.post_attention(x, attn)
 
 
 class LlamaDecoder(nn.Module):
@@ -260,9 +279,10 @@ class LlamaDecoder(nn.Module):
         """embeds [n, hidden] -> hidden states [n, hidden] before the final norm."""
         if self.rotary is None:
             raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
+        tables = self.rotary.tables(batch.rope_positions, embeds.dtype)  # once for every layer
         x, delta = embeds, None
         for index, layer in enumerate(self.layers):
-            x, delta = layer(index, seq, x, delta, batch, self.rotary, capture)
+            x, delta = layer(index, seq, x, delta, batch, tables, capture)
         return x if delta is None else x + delta
 
     def forward_layer(
@@ -271,7 +291,8 @@ class LlamaDecoder(nn.Module):
         """Decoder layer ``index`` alone (layer-wise recompute): x [n, hidden] -> [n, hidden]."""
         if self.rotary is None:
             raise RuntimeError("LlamaDecoder.init_rotary was not called after loading the weights")
-        x, delta = self.layers[index](index, seq, x, None, batch, self.rotary, capture)
+        tables = self.rotary.tables(batch.rope_positions, x.dtype)
+        x, delta = self.layers[index](index, seq, x, None, batch, tables, capture)
         return x + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

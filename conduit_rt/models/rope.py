@@ -140,15 +140,19 @@ class RotaryEmbedding:
         self._tables_of: tuple | None = None  # (positions, its version, dtype) the cached tables are of
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, n_freq] in ``dtype`` of positions int32 [n] (or [3, n] with M-RoPE): what
+        ``fused.rotate`` takes. A forward pass computes them once for all its layers."""
+        return rope_tables(positions, self.inv_freq, self.attention_scaling, self.config.sections, dtype)
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE); one kernel
         on CUDA (``fused.rotate``)."""
         if positions.is_inference():  # no version counter to key a cache on: compute the tables each call
-            return fused.rotate(x, *rope_tables(positions, self.inv_freq, self.attention_scaling,
-                                                self.config.sections, x.dtype))
+            return fused.rotate(x, *self.tables(positions, x.dtype))
         cached = self._tables_of
         if cached is None or cached[0] is not positions or cached[1] != positions._version or cached[2] != x.dtype:
-            self._tables = rope_tables(positions, self.inv_freq, self.attention_scaling, self.config.sections, x.dtype)
+            self._tables = self.tables(positions, x.dtype)
             self._tables_of = (positions, positions._version, x.dtype)
         return fused.rotate(x, *self._tables)
 
