@@ -87,27 +87,41 @@ template <typename T, int kVec> struct alignas(sizeof(T) * kVec) Pack {
     T x[kVec];
 };
 
-// Rotated value of element e of a head whose float32 copy is `row` (transformers' rotate-half RoPE:
-// out[i] = x[i] c - x[i+n] s, out[i+n] = x[i+n] c + x[i] s). Explicit _rn operations keep nvcc from
-// fusing them, so that float32 results match torch's separate multiplies and adds.
-__device__ float rotated(const float *row, int32_t e, const Rope &rope, const int32_t *rope_pos, int32_t n,
-                         int32_t token) {
+// cos and sin, times the scaling, of every frequency at the RoPE positions of tokens first ..
+// first + count - 1, into table[2 (t nf + f)] and table[2 (t nf + f) + 1] (t = token - first). A
+// CTA's rows are heads of a few consecutive tokens: computing each (token, frequency) pair once,
+// not once per head and element, took the precise cosf/sinf out of the copy's critical path (a
+// restore of 8 LLaVA images rotates 600M elements). Explicit _rn operations keep nvcc from fusing
+// them, so that float32 results match torch's separate multiplies and adds.
+__device__ void fill_rope_table(float *table, const Rope &rope, const int32_t *rope_pos, int32_t n, int32_t first,
+                                int32_t count) {
     const int32_t nf = rope.n_freq;
+    const int32_t threads = int32_t(blockDim.x * blockDim.y), tid = int32_t(threadIdx.y * blockDim.x + threadIdx.x);
+    for (int32_t i = tid; i < count * nf; i += threads) {
+        const int32_t token = first + i / nf, freq = i % nf;
+        int32_t pos_row = 0;
+        if (rope.type == 2)
+            pos_row = freq < rope.sections[0] ? 0 : (freq < rope.sections[0] + rope.sections[1] ? 1 : 2);
+        const float angle = __fmul_rn(float(rope_pos[int64_t(pos_row) * n + token]), rope.inv_freq[freq]);
+        table[2 * i] = __fmul_rn(cosf(angle), rope.scaling);
+        table[2 * i + 1] = __fmul_rn(sinf(angle), rope.scaling);
+    }
+}
+
+// Rotated value of element e of a head whose float32 copy is `row` (transformers' rotate-half RoPE:
+// out[i] = x[i] c - x[i+n] s, out[i+n] = x[i+n] c + x[i] s), with the token's cos/sin pairs `cs`
+// (fill_rope_table).
+__device__ float rotated(const float *row, int32_t e, int32_t nf, const float *cs) {
     if (e >= 2 * nf) return row[e];
     const int32_t freq = e < nf ? e : e - nf;
-    int32_t pos_row = 0;
-    if (rope.type == 2) pos_row = freq < rope.sections[0] ? 0 : (freq < rope.sections[0] + rope.sections[1] ? 1 : 2);
-    const float pos = float(rope_pos[int64_t(pos_row) * n + token]);
-    const float angle = __fmul_rn(pos, rope.inv_freq[freq]);
-    const float c = __fmul_rn(cosf(angle), rope.scaling);
-    const float s = __fmul_rn(sinf(angle), rope.scaling);
+    const float c = cs[2 * freq], s = cs[2 * freq + 1];
     if (e < nf) return __fsub_rn(__fmul_rn(row[e], c), __fmul_rn(row[e + nf], s));
     return __fadd_rn(__fmul_rn(row[e], c), __fmul_rn(row[e - nf], s));
 }
 
 // blockDim = (threads per row, rows per block); blockIdx.y: the layer of a batched copy (src and dst
-// are moved to it with at_layer); dynamic shared memory: rows per block * head_dim
-// floats when rope_pos is set, else none.
+// are moved to it with at_layer); dynamic shared memory: 2 * rows per block * head_dim floats when
+// rope_pos is set (the staged K rows, then the cos/sin table of the block's tokens), else none.
 template <typename T, int kVec, typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
@@ -123,6 +137,12 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t n_packs = head_dim / kVec;
 
     if (rope_pos) {
+        const int64_t first_row = int64_t(blockIdx.x) * blockDim.y;
+        const int64_t rows = int64_t(n) * n_kv_heads;
+        const int64_t last_row = (first_row + blockDim.y < rows ? first_row + blockDim.y : rows) - 1;
+        const int32_t first_token = int32_t(first_row / n_kv_heads);
+        float *table = k_staged + blockDim.y * head_dim; // [tokens of the block][n_freq][cos, sin]
+        fill_rope_table(table, rope, rope_pos, n, first_token, int32_t(last_row / n_kv_heads) - first_token + 1);
         float *staged = k_staged + threadIdx.y * head_dim;
         const T *k_in = live ? src.k_row(token, head) : nullptr;
         if (live) {
@@ -139,7 +159,8 @@ __global__ void __launch_bounds__(kThreads)
                 P pack;
 #pragma unroll
                 for (int i = 0; i < kVec; ++i)
-                    pack.x[i] = from_float<T>(rotated(staged, p * kVec + i, rope, rope_pos, n, token));
+                    pack.x[i] = from_float<T>(rotated(staged, p * kVec + i, rope.n_freq,
+                                                      table + 2 * (token - first_token) * rope.n_freq));
                 reinterpret_cast<P *>(k_out)[p] = pack;
             }
         }
@@ -182,7 +203,7 @@ void launch_rows(Src src, Dst dst, int32_t n, int32_t n_layers, int32_t n_kv_hea
     const int64_t rows = int64_t(n) * n_kv_heads;
     const dim3 grid{unsigned((rows + rows_per_block - 1) / rows_per_block), unsigned(n_layers)};
     const dim3 block{unsigned(per_row), unsigned(rows_per_block)};
-    const size_t smem = rope_pos ? size_t(rows_per_block) * head_dim * sizeof(float) : 0;
+    const size_t smem = rope_pos ? 2 * size_t(rows_per_block) * head_dim * sizeof(float) : 0;
     move_rows_kernel<T, kVec><<<grid, block, smem, stream>>>(src, dst, n, n_kv_heads, head_dim, rope, rope_pos);
     CUDA_CHECK_LAUNCH("move_rows_kernel");
 }
