@@ -5,7 +5,7 @@ Shapes: ``conduit bench``'s prefill chunk (4096 causal queries, 32 heads over 8 
 recompute (884 queries over 8512 keys), and the LLaVA-7B (MHA, 32 KV heads) shapes of a warm CONDUIT
 request: its text pass (104 queries after 4608 cached keys) and its recompute (461 scattered image
 tokens + those 104). Each is timed (device time, median), checked against a float32 reference and
-compared with torch SDPA on a square causal problem of its key count. Run it once per build to A/B
+compared with torch SDPA on the dense causal problem of its size. Run it once per build to A/B
 kernel variants; prints a table and writes --out.
 
     CONDUIT_LIB=/path/libconduit.so python3 tools/bench_prefill_attention.py --out prefill.json [--label X]
@@ -48,7 +48,7 @@ def main() -> None:
     }
     for name, positions in request_shapes().items():
         rows[name] = mha.many_queries(REQUEST_KEYS, positions)
-    print(f"{'shape':26s} {'queries':>7s} {'keys':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'SDPA sq.':>8s} {'rel err':>8s}")
+    print(f"{'shape':26s} {'queries':>7s} {'keys':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'SDPA':>8s} {'rel err':>8s}")
     for name, r in rows.items():
         print(f"{name:26s} {r['n_queries']:7d} {r['n_keys']:6d} {r['seconds'] * 1e3:8.4f} "
               f"{r['flop_per_s'] / 1e12:8.1f} {r['sdpa_flop_per_s'] / 1e12:8.1f} {r['rel_err']:8.1e}")

@@ -155,7 +155,8 @@ def _method_section() -> list[str]:
             "float32 reference (a row fails when the relative error passes 2e-2).",
             "- Decode batch 16 calls the arena's attention once per sequence; SDPA runs the batch in one call.",
             "- Prefill-type kernels count useful FLOPs (visible query-key pairs only, 4 H d each); SDPA's rate is "
-            "on a square causal problem over the same number of keys.",
+            "on a dense causal problem of the same size (as many queries, the last of as many keys; a row's detail "
+            "gives SDPA's rate on the square problem over those keys too).",
             "- End to end: host wall clock of whole requests (the runtime's own TTFT and tokens/s); the model has "
             "random weights, shares its decoder tensors with the transformers model it is compared with, and "
             "never stops at EOS. Image embeddings are cached in both TTFT runs, so only the decoder differs."]

@@ -28,8 +28,12 @@ def _backend(name: str):
 
 def time_backends(timer: Timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   backends: tuple[str, ...]) -> dict[str, dict]:
-    """Per backend: {"seconds", "layout", "time"} or {"error"} when it cannot run this problem."""
+    """Per backend: {"seconds", "layout", "time"} or {"error"} when it cannot run this problem.
+
+    causal with fewer queries than keys aligns the queries with the last keys (a chunk at the end of
+    its context: query i sees keys up to n_k - n_q + i), through torch's ``causal_lower_right``."""
     from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
     group = q.shape[1] // k.shape[1]
     layouts = ("gqa", "expanded") if group > 1 else ("dense",)
@@ -43,8 +47,11 @@ def time_backends(timer: Timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             kk, vv = expanded if layout == "expanded" else (k, v)
             extra = {"enable_gqa": True} if layout == "gqa" else {}
 
-            def run(kk=kk, vv=vv, extra=extra):
-                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, **extra)
+            n_q, n_k = q.shape[2], kk.shape[2]
+            mask = {"attn_mask": causal_lower_right(n_q, n_k)} if causal and n_q != n_k else {"is_causal": causal}
+
+            def run(kk=kk, vv=vv, extra=extra, mask=mask):
+                return F.scaled_dot_product_attention(q, kk, vv, **mask, **extra)
 
             try:
                 with warnings.catch_warnings(), sdpa_kernel([_backend(name)]):

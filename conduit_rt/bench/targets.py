@@ -22,7 +22,7 @@ ROWS: dict[str, str] = {
                           "sequence uncompacted",
     "recompute.vs_sdpa": "CONDUIT's recompute queries (10% of 8K visual tokens + 64 text queries over ~8.5K keys, "
                          "causal by position): useful TFLOP/s (visible pairs only) against SDPA (flash or cuDNN, "
-                         "the faster) on a square causal problem over the same keys",
+                         "the faster) on a dense causal problem of the same size (884 queries, the last of 8.5K keys)",
     "prefill.vs_sdpa": "a 4K-query prefill chunk (positions 0..4095): the same comparison, on identical problems",
     "scoring.vs_prefill": "CONDUIT scoring over 32 layers (64 query rows, 8K visual tokens: native attention "
                           "statistics, value norms, amplification) + global top-k, against a decoder-only full "
