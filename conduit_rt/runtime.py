@@ -164,6 +164,8 @@ class Runtime:
         """Takes the model, sizes the KV arena and creates the caches over it."""
         self.model = model
         self.assets = self.model.assets  # tokenizer, chat template, preprocessing, ids
+        # what every image key hashes besides the pixels (computed once: asdict is slow per request)
+        self._image_params = self.assets.preprocess.as_dict() if self.assets.preprocess is not None else {}
         kv_bytes = self._kv_bytes(kv_cache_bytes)
         image_bytes = kv_bytes // 4 if image_cache_bytes is None else int(image_cache_bytes)
         self.arena = self.model.new_arena(kv_bytes, image_cache_bytes=image_bytes)
@@ -252,11 +254,9 @@ class Runtime:
         _, payloads = validate_messages(messages)
         if payloads and not self.model.has_vision:
             raise RequestError("this model has no vision tower: load it with its mmproj.gguf to send images")
-        params = a.preprocess.as_dict() if payloads else {}
-
         def decoded(payload) -> tuple[np.ndarray, bytes]:
             rgb = to_rgb_array(payload)
-            return rgb, image_key(rgb, params, a.vision_model_id)
+            return rgb, image_key(rgb, self._image_params, a.vision_model_id)
 
         # Decoding and hashing release the GIL: several images go through a thread pool (8 images of
         # 336 x 336 took ~5 ms one after another, before any GPU work of the request could start).
