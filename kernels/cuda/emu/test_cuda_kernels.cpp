@@ -478,13 +478,13 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
 // One decode query through attention() (random positions: masked and NaN slots; one split or
 // several) and batch steps (one long sequence and short ones, some empty), lengths off the 64-slot
 // tile, at the shapes of the tensor-core decode (attention_mma_decode.cu): bf16/f16, head_dim 64/128,
-// GQA groups 2..16 (8 and below: half the mma rows are padding; 12: both halves). Unless
+// groups 1..16 (1: multi-head; 8 and below: half the mma rows are padding; 12: both halves). Unless
 // CONDUIT_DECODE_MMA=0 (run_emu.py runs this grid again with it: the CUDA-core kernel).
 void test_decode_grid() {
     const int blocks[] = {1, 4, 16, 64};
     for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
         for (int d : {64, 128})
-            for (int group : {2, 4, 8, 12}) {
+            for (int group : {1, 2, 4, 8, 12}) {
                 test_attention(t, randint(1, 2), group, d, blocks[randint(0, 3)], randint(1, 130), 1, randint(0, 1));
                 test_attention(t, 1, group, d, blocks[randint(0, 3)], randint(700, 1500), 1, false);
                 test_step(t, 2, group, d, blocks[randint(0, 3)], randint(2, 4), randint(65, 600), 0, true);
