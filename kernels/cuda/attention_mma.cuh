@@ -129,7 +129,7 @@ void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t st
 constexpr int32_t kDecodeMmaTileKeys = 64;
 
 // Whether the tensor-core decode kernel handles (dtype, head_dim, group): bf16/f16, head_dim 64 or
-// 128, groups 1..16. CONDUIT_DECODE_MMA=0 in the environment (read once) turns it off, for A/B runs.
+// 128, groups 2..16. CONDUIT_DECODE_MMA=0 in the environment (read once) turns it off, for A/B runs.
 bool decode_mma_applies(DType dtype, int32_t head_dim, int32_t group);
 
 // CTAs of the decode kernel for this shape resident on the device at once (occupancy x SMs).

@@ -478,7 +478,8 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
 // One decode query through attention() (random positions: masked and NaN slots; one split or
 // several) and batch steps (one long sequence and short ones, some empty), lengths off the 64-slot
 // tile, at the shapes of the tensor-core decode (attention_mma_decode.cu): bf16/f16, head_dim 64/128,
-// groups 1..16 (1: multi-head; 8 and below: half the mma rows are padding; 12: both halves). Unless
+// GQA groups 2..16 (8 and below: half the mma rows are padding; 12: both halves) and multi-head
+// attention (group 1: the CUDA-core kernel, which decode_mma_applies keeps it on). Unless
 // CONDUIT_DECODE_MMA=0 (run_emu.py runs this grid again with it: the CUDA-core kernel).
 void test_decode_grid() {
     const int blocks[] = {1, 4, 16, 64};
