@@ -8,8 +8,8 @@
 // the group are zero), so 16 keys cost 2 * head_dim / 16 * 2 mma instructions per warp, whatever the
 // group, and the kernel is left bound by the K/V stream. Multi-head attention (group 1) stays on the
 // CUDA-core kernel, which has 2 * head_dim FMAs per key there: measured on an H200 (LLaVA-1.5-7B, 4K
-// context, bf16), this kernel took 27.6 us a layer against its 20.3 (the kernel handles group 1 and
-// the emulator checks it; decode_mma_applies does not send it there).
+// context, bf16), this kernel took 27.6 us a layer against its 20.3, so decode_mma_applies keeps
+// group 1 off it.
 //
 // Grid: x = query (sequence), y = KV head, z = split of its keys; the split plan, the partials
 // layout and the merge are those of the CUDA-core kernel (attention.cu). Per CTA (4 warps):
