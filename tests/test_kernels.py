@@ -59,6 +59,42 @@ def test_attention_matches_sdpa_reference(device, dtype, n_kv_heads, group, head
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+# CONDUIT's text pass (LLaVA-7B: 104 text queries after ~4700 cached keys, 32 heads of 128, MHA; and a
+# GQA model's 28 heads over 4 KV heads) and recomputes of as few queries scattered over the keys (one
+# of them seeing nothing). So few (query, head) rows per KV head leave the tensor-core attention's CTAs
+# short of filling the GPU: it splits the keys and merges the splits by their log-sum-exp.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_kv_heads,group,layout", [(32, 1, "text"), (4, 7, "text"), (32, 1, "recompute"),
+                                                     (8, 4, "recompute")])
+def test_attention_of_few_queries_over_many_keys_matches_the_reference(dtype, n_kv_heads, group, layout):
+    n_tokens, n_q, head_dim, device = 4700, 104, 128, "cuda"
+    gen = torch.Generator().manual_seed(n_kv_heads * 10 + group)
+    arena = KVArena(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device, block_size=16,
+                    kv_bytes=128 << 20)
+    seq = arena.new_sequence()
+    k_pos = torch.arange(n_tokens, dtype=torch.int32)
+    seq.append(k_pos)
+    k = rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen)
+    v = rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen)
+    seq.write_kv(0, k, v)
+    q = rand((n_q, n_kv_heads * group, head_dim), dtype, device, gen)
+    if layout == "text":  # the last n_q positions, as a prefill chunk
+        q_pos = torch.arange(n_tokens - n_q, n_tokens, dtype=torch.int32)
+    else:  # scattered and in order: early queries see none of the later keys
+        q_pos = torch.randperm(n_tokens, generator=gen)[:n_q].sort().values.to(torch.int32)
+        q_pos[1] = -1
+    scale = 1.0 / math.sqrt(head_dim)
+
+    out, lse = seq.attention(0, q, q_pos.to(device), scale, return_lse=True)
+
+    ref_out, ref_lse = reference.attention(q.cpu(), k.cpu(), v.cpu(), q_pos, k_pos, scale)
+    # Averages over thousands of keys are small (|out| ~ 0.02), which the grid's absolute tolerance would
+    # pass as zeros; a tenth of it still leaves room for the rounding of the weights and the output.
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=TOL[dtype] / 10, rtol=TOL[dtype])
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_of_a_query_that_sees_nothing_is_zero_with_lse_minus_inf(device, dtype):
     arena = make_arena(device, dtype, 2, 64, 16)

@@ -6,6 +6,11 @@
 // partials from the caller's workspace, so that it allocates nothing and can be graph-captured.
 // Many queries take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA
 // group, bf16/f16 and head_dim 64/128, the tensor-core decode kernel (attention_mma_decode.cu).
+// Every kernel splits the keys only while its unsplit grid (queries or row tiles x KV heads) is
+// smaller than one wave of resident CTAs, into splits that fill about one wave. For the tensor-core
+// attention that is a text pass or a short recompute, few rows per KV head over thousands of keys (a
+// LLaVA-7B text pass was 64 unsplit CTAs on an H200 that holds 264, see attention_mma.cu); a prefill
+// chunk of many queries fills the device as it is and keeps one split.
 #include <algorithm>
 #include <atomic>
 
@@ -16,6 +21,11 @@ namespace conduit::kernels::cuda {
 namespace {
 
 constexpr int32_t kMaxSplits = 128;
+
+// Slots a key split of the tensor-core attention should stream at least (4 of its 64-slot tiles): a
+// split pays for its Q fragments, a pipeline that starts cold, a float partial per row and its share
+// of the merge, which stay small beside 4 or more tiles of Q K^T and P V.
+constexpr int32_t kMinMmaSplitKeys = 256;
 
 constexpr int kMergeThreads = 128;
 
@@ -106,6 +116,12 @@ void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
     merge_splits<T>(p, stream);
 }
 
+// The tensor-core attention (attention_mma.cu) with `warps` warps and p's split plan, then the merge.
+void launch_mma_attention_and_merge(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream) {
+    launch_mma_attention(p, dtype, warps, stream);
+    dispatch_dtype(dtype, [&](auto tag) { merge_splits<typename decltype(tag)::type>(p, stream); });
+}
+
 // The tensor-core decode kernel (attention_mma_decode.cu) with p's split plan, then the merge.
 void launch_decode_mma_and_merge(const AttentionParams &p, DType dtype, cudaStream_t stream) {
     launch_decode_mma(p, dtype, stream);
@@ -187,15 +203,21 @@ int32_t batch_splits(const BatchView &kv, int32_t n_heads) {
     return splits_for(base_ctas, resident_ctas_for(kv.dtype, kv.head_dim, group), kv.max_tokens, kMinSplitTokens);
 }
 
-} // namespace
-
-void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens, int64_t resident_ctas) {
-    const int64_t base_ctas = int64_t(p.n_q) * p.n_kv_heads * p.head_tiles;
+// Sets p.split_tokens and p.n_splits for a kernel that launches base_ctas CTAs per split (see
+// plan_splits): the splits of splits_for, each rounded up to whole tiles of tile_rows slots.
+void plan_splits_of(AttentionParams &p, int64_t base_ctas, int32_t tile_rows, int32_t min_split_tokens,
+                    int64_t resident_ctas) {
     const int64_t splits = splits_for(base_ctas, resident_ctas, p.n_tokens, min_split_tokens);
     const int64_t per_split = (int64_t(p.n_tokens) + splits - 1) / splits;
     const int64_t rounded = std::max<int64_t>((per_split + tile_rows - 1) / tile_rows * tile_rows, tile_rows);
     p.split_tokens = int32_t(rounded);
     p.n_splits = p.n_tokens > 0 ? int32_t((p.n_tokens + rounded - 1) / rounded) : 1;
+}
+
+} // namespace
+
+void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens, int64_t resident_ctas) {
+    plan_splits_of(p, int64_t(p.n_q) * p.n_kv_heads * p.head_tiles, tile_rows, min_split_tokens, resident_ctas);
 }
 
 AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
@@ -240,7 +262,13 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     p.out = out;
     p.lse = lse;
     if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group)) { // many queries: tensor cores
-        launch_mma_attention(p, kv.dtype, as_stream(stream));
+        // Few rows per KV head give fewer CTAs than the device holds (a CONDUIT text pass: 64 on an
+        // H200 that holds 264), each streaming every key alone: split the keys until one wave is full.
+        const int warps = mma_warps_for(p);
+        plan_splits_of(p, mma_attention_base_ctas(p, warps), kMmaTileKeys, kMinMmaSplitKeys,
+                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps));
+        place_stream_partials(p, as_stream(stream));
+        launch_mma_attention_and_merge(p, kv.dtype, warps, as_stream(stream));
         return;
     }
     // One query (a decode step, or one recomputed row: the kernel applies the position mask too)

@@ -3,7 +3,14 @@
 //
 // Rows are (query, head) pairs of one KV head: row r = query r / group, head r % group of the
 // group, so each K/V tile in shared memory serves every query head of the group. Grid: x = tile of
-// kRows rows (heaviest first: later queries usually see more keys), y = KV head. Per CTA:
+// kRows rows (heaviest first: later queries usually see more keys), y = KV head, z = split of the
+// keys (whole kKeys tiles, p.split_tokens slots each). Splits: with few rows per KV head the x-y grid
+// is far smaller than the device, and each CTA streams every key tile alone. A CONDUIT text pass on
+// LLaVA-7B (104 queries over ~4700 keys, 32 heads, MHA) is 64 CTAs of 4 warps on an H200 that holds
+// 264, each walking 74 key tiles: 6.3 ms of the pass's 10.9 ms device time (32 layers). So
+// attention.cu splits the keys until one wave of CTAs is full (flash-decoding); each split writes its
+// rows' normalised float partial and natural-log lse, and merge_splits (attention.cu) combines them.
+// With one split a CTA writes out and lse itself. Per CTA:
 //   1. Each warp keeps its 16 rows of Q as mma A fragments in registers (unscaled).
 //   2. Key tiles of kKeys slots are gathered from the paged pool with cp.async (double-buffered);
 //      a tile none of the CTA's rows can see is skipped, and a slot no row can see is zero-filled
@@ -13,10 +20,13 @@
 //      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),
 //      online softmax in fp32, base 2; O += P V with P re-packed from the S accumulators into A
 //      fragments and V read with ldmatrix.trans.
-// A row that sees no key writes zeros and lse = -inf. The key-tile loop, the Q fragments and S = Q K^T
-// live in attention_mma_tile.cuh, shared with the first pass of attention_stats_mma.cu.
+// A row that sees no key (of its split) writes zeros and lse = -inf. The key-tile loop, the Q
+// fragments and S = Q K^T live in attention_mma_tile.cuh, shared with the first pass of
+// attention_stats_mma.cu.
 #include <math_constants.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <type_traits>
 
@@ -25,13 +35,48 @@
 namespace conduit::kernels::cuda {
 namespace {
 
+// Normalises the warp's two fragment rows (lane: rows g, g + 8 at dims 8n + 2t, +1) and stores them:
+// with one split, out (as T) and lse; with several, split `split`'s float partial and natural-log
+// lse at partial row out_row * n_splits + split, which merge_splits (attention.cu) combines. A row
+// that saw no key (of its split) gets zeros and lse = -inf. Call from all lanes (quad sums).
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpRows &rows,
+                                           const float (&acc)[kHeadDim / 8][4], const float (&run_max)[2],
+                                           const float (&run_sum)[2], int32_t split) {
+    const int32_t t = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float total = quad_sum(run_sum[r]);
+        if (!rows.valid[r]) continue;
+        const bool empty = total == 0.0f;
+        const float inv = empty ? 0.0f : 1.0f / total;
+        const float lse = empty ? -CUDART_INF_F : run_max[r] * CUDART_LN2_F + logf(total);
+        if (p.n_splits > 1) {
+            const int64_t part = rows.out_row[r] * p.n_splits + split;
+            float *dst = p.partial_out + part * kHeadDim + 2 * t;
+#pragma unroll
+            for (int n = 0; n < kHeadDim / 8; ++n)
+                *reinterpret_cast<float2 *>(dst + 8 * n) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+            if (t == 0) p.partial_lse[part] = lse;
+        } else {
+            T *dst = static_cast<T *>(p.out) + rows.out_row[r] * kHeadDim + 2 * t;
+#pragma unroll
+            for (int n = 0; n < kHeadDim / 8; ++n) {
+                dst[8 * n] = from_float<T>(acc[n][2 * r] * inv);
+                dst[8 * n + 1] = from_float<T>(acc[n][2 * r + 1] * inv);
+            }
+            if (p.lse && t == 0) p.lse[rows.out_row[r]] = lse;
+        }
+    }
+}
+
 template <typename T, int kHeadDim, int kWarps>
 __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
     using S = MmaShape<kHeadDim, kWarps>;
     extern __shared__ uint4 mma_smem[];
     int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);
-    const int32_t lane = threadIdx.x % 32, t = lane % 4;
-    const int32_t kv_head = blockIdx.y;
+    const int32_t lane = threadIdx.x % 32;
+    const int32_t kv_head = blockIdx.y, split = blockIdx.z;
     const int32_t first_row = (gridDim.x - 1 - blockIdx.x) * S::kRows;
 
     const WarpRows rows = warp_rows<kHeadDim>(p, kv_head, first_row);
@@ -50,7 +95,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
         for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
     float run_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, run_sum[2] = {0.0f, 0.0f}; // base 2; sums lane-partial
 
+    // Split z of several takes the key tiles [z * tiles_per_split, +tiles_per_split); one split takes all.
     const int32_t n_tiles = (p.n_tokens + S::kKeys - 1) / S::kKeys;
+    const int32_t tiles_per_split = p.n_splits > 1 ? p.split_tokens / S::kKeys : n_tiles;
+    const int32_t tile_begin = min(n_tiles, split * tiles_per_split);
+    const int32_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
         const uint4 *v_tile = k_tile + S::kTileChunks;
         const int32_t tile_keys = min(S::kKeys, p.n_tokens - tile * S::kKeys);
@@ -90,53 +139,75 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
             }
         }
     };
-    for_each_key_tile<T, kHeadDim, kWarps, true>(p, kv_head, 0, n_tiles, max_q_pos, min_q_pos, mma_smem, pos_smem,
-                                                  on_tile);
-
-    // Normalise and store: lane holds rows g, g + 8 at dims 8n + 2t, +1.
-    T *out = static_cast<T *>(p.out);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float total = quad_sum(run_sum[r]);
-        if (!rows.valid[r]) continue;
-        const bool empty = total == 0.0f;
-        const float inv = empty ? 0.0f : 1.0f / total;
-        T *dst = out + rows.out_row[r] * kHeadDim + 2 * t;
-#pragma unroll
-        for (int n = 0; n < S::kDimTiles; ++n) {
-            dst[8 * n] = from_float<T>(acc[n][2 * r] * inv);
-            dst[8 * n + 1] = from_float<T>(acc[n][2 * r + 1] * inv);
-        }
-        if (p.lse && t == 0) p.lse[rows.out_row[r]] = empty ? -CUDART_INF_F : run_max[r] * CUDART_LN2_F + logf(total);
-    }
+    for_each_key_tile<T, kHeadDim, kWarps, true>(p, kv_head, tile_begin, tile_end, max_q_pos, min_q_pos, mma_smem,
+                                                  pos_smem, on_tile);
+    store_rows<T, kHeadDim>(p, rows, acc, run_max, run_sum, split);
 }
 
-template <typename T, int kHeadDim, int kWarps> void launch_typed(const AttentionParams &p, cudaStream_t stream) {
+// The kernel instantiation for (T, kHeadDim, kWarps) as seen from the host: its launch and occupancy.
+template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
     using S = MmaShape<kHeadDim, kWarps>;
-    allow_dynamic_smem<&mma_attention_kernel<T, kHeadDim, kWarps>>(S::kSmemBytes);
-    const int64_t n_rows = int64_t(p.n_q) * p.group;
-    const dim3 grid{unsigned((n_rows + S::kRows - 1) / S::kRows), unsigned(p.n_kv_heads), 1};
-    mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-    CUDA_CHECK_LAUNCH("mma_attention_kernel");
+    static constexpr auto kernel = &mma_attention_kernel<T, kHeadDim, kWarps>;
+
+    // Launches it for p: row tiles x KV heads x p.n_splits (at least one) CTAs.
+    static void launch(const AttentionParams &p, cudaStream_t stream) {
+        allow_dynamic_smem<kernel>(S::kSmemBytes);
+        const dim3 grid{unsigned(mma_attention_base_ctas(p, kWarps) / p.n_kv_heads), unsigned(p.n_kv_heads),
+                        unsigned(std::max(p.n_splits, 1))};
+        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+        CUDA_CHECK_LAUNCH("mma_attention_kernel");
+    }
+
+    // Its CTAs one SM holds at once (registers, dynamic shared memory): queried once, the same on
+    // every launch.
+    static int resident_per_sm() {
+        static std::atomic<int> cached{0};
+        int n = cached.load();
+        if (n == 0) {
+            allow_dynamic_smem<kernel>(S::kSmemBytes); // the occupancy counts only the smem it is allowed
+            CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void *>(kernel),
+                                                                     S::kThreads, S::kSmemBytes));
+            n = std::max(n, 1);
+            cached.store(n);
+        }
+        return n;
+    }
+};
+
+// Calls f(MmaKernel<T, head_dim, warps>{}) for bf16 or f16, head_dim 64 or 128, and 4 or 8 warps.
+template <typename F> void dispatch_mma(DType dtype, int32_t head_dim, int warps, F &&f) {
+    const auto with_warps = [&](auto type_tag, auto dim) {
+        using T = typename decltype(type_tag)::type;
+        constexpr int kHeadDim = decltype(dim)::value;
+        if (warps == 8) f(MmaKernel<T, kHeadDim, 8>{});
+        else f(MmaKernel<T, kHeadDim, 4>{});
+    };
+    const auto with_dim = [&](auto type_tag) {
+        if (head_dim == 64) with_warps(type_tag, std::integral_constant<int, 64>{});
+        else with_warps(type_tag, std::integral_constant<int, 128>{});
+    };
+    if (dtype == DType::BF16) with_dim(TypeTag<__nv_bfloat16>{});
+    else with_dim(TypeTag<__half>{});
 }
 
 } // namespace
 
-void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t stream) {
+int64_t mma_attention_base_ctas(const AttentionParams &p, int warps) {
+    const int64_t rows_per_cta = 16 * warps;
+    return (int64_t(p.n_q) * p.group + rows_per_cta - 1) / rows_per_cta * p.n_kv_heads;
+}
+
+int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, int warps) {
+    int per_sm = 1;
+    dispatch_mma(dtype, head_dim, warps, [&](auto kernel) { per_sm = decltype(kernel)::resident_per_sm(); });
+    return int64_t(per_sm) * sm_count();
+}
+
+void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream) {
     require(mma_attention_applies(dtype, p.head_dim, p.n_q, p.group), "shape not supported by the mma attention");
-    const bool bf16 = dtype == DType::BF16;
-    const auto launch = [&](auto warps) {
-        constexpr int kWarps = decltype(warps)::value;
-        if (p.head_dim == 64) {
-            if (bf16) launch_typed<__nv_bfloat16, 64, kWarps>(p, stream);
-            else launch_typed<__half, 64, kWarps>(p, stream);
-        } else {
-            if (bf16) launch_typed<__nv_bfloat16, 128, kWarps>(p, stream);
-            else launch_typed<__half, 128, kWarps>(p, stream);
-        }
-    };
-    if (mma_warps_for(p) == 8) launch(std::integral_constant<int, 8>{});
-    else launch(std::integral_constant<int, 4>{});
+    require(p.n_splits <= 1 || (p.partial_out && p.partial_lse && p.split_tokens % kMmaTileKeys == 0),
+            "mma attention: splits need partials and whole key tiles");
+    dispatch_mma(dtype, p.head_dim, warps, [&](auto kernel) { decltype(kernel)::launch(p, stream); });
 }
 
 // 8 warps (128 rows a CTA) share each key tile among twice the rows, which pays while their CTAs
@@ -150,9 +221,7 @@ int mma_warps_for(const AttentionParams &p) {
         return asked == 4 || asked == 8 ? asked : 0;
     }();
     if (forced) return forced;
-    const int64_t rows = int64_t(p.n_q) * p.group;
-    const int64_t ctas_of_8 = (rows + MmaShape<64, 8>::kRows - 1) / MmaShape<64, 8>::kRows * p.n_kv_heads;
-    return ctas_of_8 >= 2 * int64_t(sm_count()) ? 8 : 4;
+    return mma_attention_base_ctas(p, 8) >= 2 * int64_t(sm_count()) ? 8 : 4;
 }
 
 } // namespace conduit::kernels::cuda

@@ -12,6 +12,9 @@
 
 namespace conduit::kernels::cuda {
 
+// Slots of a key tile of the tensor-core attention (MmaShape::kKeys): its key splits are whole tiles.
+constexpr int32_t kMmaTileKeys = 64;
+
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
 // KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
 // shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
@@ -22,7 +25,7 @@ template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static constexpr int kWarps = kWarpCount;
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kRows = 16 * kWarps;
-    static constexpr int kKeys = 64;
+    static constexpr int kKeys = kMmaTileKeys;
     static constexpr int kStages = 2;
     static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks per K or V row
     static constexpr int kTileChunks = kKeys * kRowChunks;     // one K (or V) tile
@@ -120,8 +123,18 @@ inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, in
     return mma_tiles_fit(dtype, head_dim) && (n_q >= 16 || int64_t(n_q) * group >= 64);
 }
 
-// Launches the tensor-core attention for p (from attention_params, with out and lse set).
-void launch_mma_attention(const AttentionParams &p, DType dtype, cudaStream_t stream);
+// CTAs of the tensor-core attention for p with `warps` warps before any key split: tiles of 16 * warps
+// (query, head) rows times KV heads.
+int64_t mma_attention_base_ctas(const AttentionParams &p, int warps);
+
+// CTAs of its (dtype, head_dim, warps) instantiation resident on the device at once (occupancy x SMs).
+int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, int warps);
+
+// Launches the tensor-core attention for p (from attention_params, with out and lse set) with `warps`
+// warps (mma_warps_for). With p.n_splits > 1, split z takes the slots [z * p.split_tokens, +split_tokens)
+// (whole kMmaTileKeys tiles) and writes its partials (p.partial_out, p.partial_lse) for the caller to
+// merge; with one split it writes out and lse itself.
+void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream);
 
 // Tensor-core split-KV decode (attention_mma_decode.cu): one query per sequence over every key it
 // sees, the query heads of a GQA group as the rows of one mma tile. Same split plan, partials and

@@ -78,8 +78,10 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
                                                   int32_t *pos_smem, OnTile &&on_tile) {
     using S = MmaShape<kHeadDim, kWarps>;
     constexpr int kStageChunks = kWithValues ? S::kStageChunks : S::kTileChunks;
+    // Tile t goes to stage t % kStages whatever tile_begin is: a split starting at an odd tile starts
+    // at stage 1 (counting from tile_begin held one more register in the attention kernel).
     const auto load = [&](int32_t tile, int32_t pos) {
-        const int stage = (tile - tile_begin) % S::kStages;
+        const int stage = tile % S::kStages;
         return load_tile<T, kHeadDim, kWarps, kWithValues>(p, kv_head, tile * S::kKeys, pos, max_q_pos, min_q_pos,
                                                            smem + stage * kStageChunks, pos_smem + stage * S::kKeys);
     };
@@ -97,7 +99,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
         cp_async_wait<1>();
         __syncthreads();
         if (view != kTileHidden) {
-            const int stage = (tile - tile_begin) % S::kStages;
+            const int stage = tile % S::kStages;
             on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
         }
         view = next_view;

@@ -202,6 +202,7 @@ void cp_wait(int pending) {
 }
 
 int g_smem_limit = 0; // the largest dynamic shared memory a kernel opted into (cudaFuncSetAttribute)
+size_t g_malloc_limit = SIZE_MAX;
 
 void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body) {
     const int threads = int(block.x * block.y * block.z);
@@ -278,7 +279,7 @@ cudaError_t cudaGetDevice(int *device) { *device = g_device; return cudaSuccess;
 cudaError_t cudaSetDevice(int device) { g_device = device; return cudaSuccess; }
 cudaError_t cudaGetDeviceCount(int *count) { *count = 1; return cudaSuccess; }
 cudaError_t cudaMalloc(void **ptr, size_t size) {
-    *ptr = std::aligned_alloc(256, (size + 255) / 256 * 256);
+    *ptr = size > emu::g_malloc_limit ? nullptr : std::aligned_alloc(256, (size + 255) / 256 * 256);
     return *ptr ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFree(void *ptr) { std::free(ptr); return cudaSuccess; }

@@ -70,6 +70,9 @@ void ldmatrix_x4(uint32_t *r, const void *smem, bool trans);
 void mma_m16n8k16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1, bool bf16);
 
 extern int g_smem_limit; // dynamic shared memory above 48 KiB that cudaFuncSetAttribute allowed
+// cudaMalloc of more bytes than this fails with cudaErrorMemoryAllocation: lets the tests take the
+// fallbacks of a workspace that cannot be allocated. No limit by default.
+extern size_t g_malloc_limit;
 
 // Runs `body` once per thread of every block.
 void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body);

@@ -1,6 +1,7 @@
 // test_cuda_kernels.cpp: the CUDA kernels against the CPU backend on random layers: every dtype,
 // head_dim 8..256, block sizes 1..256, GQA groups 1..12, masked and unwritten slots, unaligned dense
-// pointers, split and unsplit attention, causal chunks. Exit status 0 when all pass.
+// pointers, split and unsplit attention (the tensor-core one too), causal chunks, scattered queries.
+// Exit status 0 when all pass.
 // Built by run_emu.py either for the CPU emulator (emu.h) or, with --gpu, for a real GPU (buffers
 // in managed memory, so that both backends read the same allocations).
 #include <cmath>
@@ -48,6 +49,9 @@ void device_sync() {
 #else
 template <typename T> using Buf = std::vector<T>;
 void device_sync() {}
+namespace emu {
+extern size_t g_malloc_limit; // emu.cpp: a cudaMalloc of more bytes fails
+}
 #endif
 
 namespace {
@@ -131,36 +135,58 @@ bool close(float got, float want, float atol, float rtol) {
 
 float out_rtol(kc::DType t) { return t == kc::DType::F32 ? 1e-4f : t == kc::DType::F16 ? 2e-3f : 1.6e-2f; }
 
-// causal_chunk: positions 0..n_tokens-1 in slot order and the queries are the last n_q of them, as in
-// a prefill chunk; otherwise positions and query positions are random (scattered recompute).
+// Where the keys and queries of test_attention sit.
+enum class Layout {
+    kRandom,      // random key and query positions in [0, 60]; every 5th slot hidden (NaN), query 1 sees nothing
+    kCausalChunk, // keys at positions 0..n_tokens-1 in slot order, the queries the last n_q of them (a
+                  // prefill chunk, CONDUIT's text pass)
+    kRecompute,   // keys in slot order, the queries scattered over them in order (CONDUIT's recompute:
+                  // early rows see only the first splits); query 1 sees nothing, every 7th slot and the
+                  // slots after the last query are seen by no query (NaN)
+};
+
+// The CUDA attention against the CPU backend on a random layer (out and lse), then again without lse:
+// the same out, bit for bit. `stream`: the stream to run on (a fresh one gets a fresh workspace).
 void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, bool unaligned_q,
-                    bool causal_chunk = false) {
+                    Layout layout = Layout::kRandom, void *stream = nullptr) {
     const int n_heads = hk * group, max_pos = 60;
     Layer l = make_layer(dtype, hk, d, bs, n_tokens, max_pos);
-    // Keys no query can see hold NaN: they must never reach the arithmetic.
-    for (int s = 0; s < n_tokens && !causal_chunk; ++s)
-        if (s % 5 == 0) l.positions[size_t(s)] = max_pos + 10;
-    for (int s = 0; s < n_tokens && !causal_chunk; ++s)
-        if (l.positions[size_t(s)] > max_pos) hide_slot(l, s, l.positions[size_t(s)]);
     const size_t es = kc::dtype_size(dtype);
     Buf<unsigned char> q_buf = random_dense(dtype, int64_t(n_q) * n_heads * d + 8, 2.0f);
     const void *q = q_buf.data() + (unaligned_q ? es : 0);
     Buf<int32_t> q_pos;
     for (int i = 0; i < n_q; ++i) q_pos.push_back(i == 1 ? -1 : randint(0, max_pos)); // query 1 sees nothing
-    if (causal_chunk) {
+    if (layout == Layout::kRandom) {
+        // Keys no query can see hold NaN: they must never reach the arithmetic.
+        for (int s = 0; s < n_tokens; ++s)
+            if (s % 5 == 0) l.positions[size_t(s)] = max_pos + 10;
+        for (int s = 0; s < n_tokens; ++s)
+            if (l.positions[size_t(s)] > max_pos) hide_slot(l, s, l.positions[size_t(s)]);
+    } else {
         for (int s = 0; s < n_tokens; ++s) l.positions[size_t(s)] = s;
+    }
+    if (layout == Layout::kCausalChunk) {
         for (int i = 0; i < n_q; ++i) q_pos[size_t(i)] = n_tokens - n_q + i;
+    } else if (layout == Layout::kRecompute) {
+        for (int i = 0; i < n_q; ++i) q_pos[size_t(i)] = randint(0, std::max(n_tokens - 1, 0));
+        std::sort(q_pos.begin(), q_pos.end());
+        const int last_query = q_pos.back();
+        if (n_q > 1) q_pos[1] = -1;
+        for (int s = 0; s < n_tokens; ++s) {
+            if (s % 7 == 3) hide_slot(l, s, n_tokens + 10);
+            else if (s > last_query) hide_slot(l, s, s);
+        }
     }
     const size_t out_elems = size_t(n_q) * n_heads * d;
-    Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff);
+    Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff), out_again(out_elems * es, 0xff);
     Buf<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, 123.0f);
     const float scale = 1.0f / std::sqrt(float(d));
     kc::cpu::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_cpu.data(), lse_cpu.data(), nullptr);
-    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), lse_gpu.data(), nullptr);
+    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), lse_gpu.data(), stream);
     device_sync();
     char name[200];
-    std::snprintf(name, sizeof name, "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d", dtype_name(dtype),
-                  hk, group, d, bs, n_tokens, n_q, int(unaligned_q));
+    std::snprintf(name, sizeof name, "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d layout=%d",
+                  dtype_name(dtype), hk, group, d, bs, n_tokens, n_q, int(unaligned_q), int(layout));
     int bad = 0;
     for (size_t i = 0; i < out_elems; ++i) {
         const float a = kc::cpu::load(out_gpu.data(), int64_t(i), dtype), b = kc::cpu::load(out_cpu.data(), int64_t(i), dtype);
@@ -168,8 +194,9 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     }
     for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
     expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
-    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), nullptr, nullptr); // lse optional
+    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_again.data(), nullptr, stream); // lse optional
     device_sync();
+    expect(std::memcmp(out_gpu.data(), out_again.data(), out_elems * es) == 0, std::string(name) + " without lse");
 }
 
 // causal_chunk: positions 0..n_tokens-1 in slot order and the queries are the last n_q of them (a
@@ -496,6 +523,37 @@ void test_decode_grid() {
     test_attention(kc::DType::F16, 1, 16, 64, 4, 64, 1, true);     // a full 16-row tile, one key tile
 }
 
+// The tensor-core attention (attention_mma.cu) with its keys split: the emulator's 4 SMs hold 16 CTAs,
+// so a few row tiles over more than 256 keys split (whole 64-slot tiles, about 256 slots or more a
+// split). The plans in the comments are the emulator's. Causal chunks at the end of the keys (CONDUIT's
+// text pass; a row's keys end inside the last split), scattered queries in order (a recompute: early
+// rows see nothing in the later splits, partial 0 and lse -inf; whole CTAs skip them), NaN in every
+// slot no row sees, query 1 seeing no key at all, splits that do not divide the tiles evenly, many
+// splits, 8 warps, and partials that cannot be allocated (one split).
+void test_mma_split_grid() {
+    const int blocks[] = {1, 4, 16, 64};
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            // MHA: 2 CTAs, 7 splits of 4, 4, 4, 4, 4, 4 and 1 tiles (the last tile holds 4 keys).
+            test_attention(t, 2, 1, d, blocks[randint(0, 3)], 1540, 40, false, Layout::kCausalChunk);
+            // GQA 4: 4 CTAs, 3 splits of 4, 4 and 3 tiles.
+            test_attention(t, 2, 4, d, blocks[randint(0, 3)], 700, 20, randint(0, 1), Layout::kRecompute);
+        }
+    test_attention(kc::DType::BF16, 1, 7, 128, 16, 1800, 20, false, Layout::kCausalChunk); // 3 CTAs, 5 splits: 6 .. 5 tiles
+    test_attention(kc::DType::F16, 1, 8, 64, 4, 3000, 16, false, Layout::kRecompute);      // 2 CTAs, 8 splits: 6 .. 5 tiles
+    test_attention(kc::DType::BF16, 1, 1, 128, 16, 4100, 30, false, Layout::kCausalChunk); // 1 CTA, 13 splits of 5 tiles
+    test_attention(kc::DType::F16, 1, 2, 64, 64, 3500, 24, false, Layout::kRecompute);     // 1 CTA, 14 splits: 4 .. 3 tiles
+    // 8 warps (the emulator takes them from 8 CTAs of 128 rows): 8 CTAs, 2 splits of 5 tiles.
+    test_attention(kc::DType::BF16, 2, 1, 64, 16, 600, 512, false, Layout::kCausalChunk);
+    test_attention(kc::DType::F16, 2, 1, 128, 16, 600, 512, false, Layout::kRecompute);
+#ifndef CONDUIT_TEST_ON_GPU
+    // A fresh stream whose workspace cannot be allocated: one split, the same answer.
+    emu::g_malloc_limit = 0;
+    test_attention(kc::DType::BF16, 2, 1, 128, 16, 1540, 40, false, Layout::kCausalChunk, reinterpret_cast<void *>(0x5eed));
+    emu::g_malloc_limit = SIZE_MAX;
+#endif
+}
+
 // Top-k: the CUDA radix select against the CPU nth_element (same order key, same tie rule), both
 // writing int32 and int64, with one workspace reused across calls (it must come back zeroed).
 void test_topk(int n, int k, const std::string &kind, Buf<unsigned char> &workspace) {
@@ -552,6 +610,11 @@ int main(int argc, char **argv) {
         std::printf("stats: %d checks, %d failures\n", checks, failures);
         return failures == 0 ? 0 : 1;
     }
+    if (argc > 1 && std::string(argv[1]) == "split") { // only the split tensor-core attention (for iterating on it)
+        test_mma_split_grid();
+        std::printf("split: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
     if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grid (run_emu.py: the CUDA-core path)
         test_decode_grid();
         std::printf("decode: %d checks, %d failures\n", checks, failures);
@@ -574,21 +637,22 @@ int main(int argc, char **argv) {
             test_attention(t, 1, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(300, 700), randint(1, 2), randint(0, 1));
         }
     test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
-    test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, true);
-    test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, true);
+    test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, Layout::kCausalChunk);
+    test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, Layout::kCausalChunk);
     // Many queries, bf16/f16, head_dim 64/128: the tensor-core path (attention_mma.cu); key counts
     // around the 64-slot tile, rows around the 64-row CTA tile.
     for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
         for (int d : {64, 128}) {
             test_attention(t, 2, 4, d, blocks[randint(0, 2)], 300, 65, false);
             test_attention(t, 1, groups[randint(0, 5)], d, 32, 63, 16, randint(0, 1));
-            test_attention(t, 2, 1, d, 1, 130, 70, false, true);
-            test_attention(t, 1, 8, d, 256, 65, 24, false, true);
+            test_attention(t, 2, 1, d, 1, 130, 70, false, Layout::kCausalChunk);
+            test_attention(t, 1, 8, d, 256, 65, 24, false, Layout::kCausalChunk);
         }
     test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 20, false); // no keys at all
     test_attention(kc::DType::F16, 1, 3, 64, 2, 1, 17, false);
-    test_attention(kc::DType::BF16, 1, 2, 64, 8, 300, 300, false, true);  // early CTAs skip whole key tiles
-    test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, true);
+    test_attention(kc::DType::BF16, 1, 2, 64, 8, 300, 300, false, Layout::kCausalChunk);  // early CTAs skip whole key tiles
+    test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, Layout::kCausalChunk); // 2 splits of 3 and 2 tiles
+    test_mma_split_grid();
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     test_stats_grid();
