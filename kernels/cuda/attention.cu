@@ -13,6 +13,7 @@
 // chunk of many queries fills the device as it is and keeps one split.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "attention_kernel.cuh"
 #include "attention_mma.cuh"
@@ -186,6 +187,17 @@ int64_t resident_ctas_for(DType dtype, int32_t head_dim, int32_t group) {
 
 // Splits of base_ctas CTAs' keys: as many as one wave of resident CTAs holds, at least one, at most
 // kMaxSplits and no more than give each split min_split_tokens of n_tokens.
+// Waves of resident CTAs the tensor-core attention's split plan fills: CONDUIT_MMA_SPLIT_WAVES (1..8,
+// read once; for measuring), default 1.
+int64_t mma_split_waves() {
+    static const int64_t waves = [] {
+        const char *env = std::getenv("CONDUIT_MMA_SPLIT_WAVES");
+        const int asked = env ? std::atoi(env) : 0;
+        return asked >= 1 && asked <= 8 ? asked : 1;
+    }();
+    return waves;
+}
+
 int32_t splits_for(int64_t base_ctas, int64_t resident, int64_t n_tokens, int32_t min_split_tokens) {
     const int64_t by_length = std::max<int64_t>((n_tokens + min_split_tokens - 1) / min_split_tokens, 1);
     return int32_t(std::clamp<int64_t>(resident / base_ctas, 1, std::min<int64_t>(by_length, kMaxSplits)));
@@ -266,7 +278,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
         // H200 that holds 264), each streaming every key alone: split the keys until one wave is full.
         const int warps = mma_warps_for(p);
         plan_splits_of(p, mma_attention_base_ctas(p, warps), kMmaTileKeys, kMinMmaSplitKeys,
-                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps));
+                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * mma_split_waves());
         place_stream_partials(p, as_stream(stream));
         launch_mma_attention_and_merge(p, kv.dtype, warps, as_stream(stream));
         return;
