@@ -12,9 +12,12 @@
 // rows' normalised float partial and natural-log lse, and merge_splits (attention.cu) combines them.
 // With one split a CTA writes out and lse itself. Per CTA:
 //   1. Each warp keeps its 16 rows of Q as mma A fragments in registers (unscaled).
-//   2. Key tiles of kKeys slots are gathered from the paged pool with cp.async (double-buffered);
-//      a tile none of the CTA's rows can see is skipped, and a slot no row can see is zero-filled
-//      (its K/V may be garbage or NaN and must not reach the arithmetic).
+//   2. Key tiles of kKeys slots are gathered from the paged pool with cp.async through a ring of
+//      kStages shared-memory stages, kStages - 1 tiles ahead of the compute, with one CTA barrier
+//      per tile (the 8 warps of a CTA drift apart instead of all doing Q K^T, then all the softmax,
+//      with the tensor pipe idle in between); each warp decides from the tile's positions, with warp
+//      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no
+//      row can see is zero-filled (its K/V may be garbage or NaN and must not reach the arithmetic).
 //   3. S = Q K^T (ldmatrix from the swizzled K tile), masked per element by position
 //      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA
 //      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),

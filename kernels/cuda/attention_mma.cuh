@@ -15,10 +15,26 @@ namespace conduit::kernels::cuda {
 // Slots of a key tile of the tensor-core attention (MmaShape::kKeys): its key splits are whole tiles.
 constexpr int32_t kMmaTileKeys = 64;
 
+// The key-tile loop of attention_mma_tile.cuh, chosen at build time for A/B runs on a GPU:
+// CONDUIT_MMA_ONE_BARRIER=0 builds the earlier loop (one tile ahead, four CTA barriers per tile),
+// otherwise the ring with one barrier per tile. CONDUIT_MMA_STAGES sets the shared-memory stages of
+// either (default 3 for the ring: two tiles in flight behind the one computed; 2 for the old loop).
+#ifndef CONDUIT_MMA_ONE_BARRIER
+#define CONDUIT_MMA_ONE_BARRIER 1
+#endif
+#ifndef CONDUIT_MMA_STAGES
+#if CONDUIT_MMA_ONE_BARRIER
+#define CONDUIT_MMA_STAGES 3
+#else
+#define CONDUIT_MMA_STAGES 2
+#endif
+#endif
+
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
 // KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
 // shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
-// warps share each key tile among more rows (fewer loads per FLOP) at the cost of occupancy.
+// warps share each key tile among more rows (fewer loads per FLOP) at the cost of occupancy. Three
+// stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM (registers allow no more).
 template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kWarpCount == 4 || kWarpCount == 8, "4 or 8 warps");
@@ -26,7 +42,8 @@ template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kRows = 16 * kWarps;
     static constexpr int kKeys = kMmaTileKeys;
-    static constexpr int kStages = 2;
+    static constexpr int kStages = CONDUIT_MMA_STAGES;
+    static_assert(kStages >= 2 && kStages <= 8, "2 to 8 stages");
     static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks per K or V row
     static constexpr int kTileChunks = kKeys * kRowChunks;     // one K (or V) tile
     static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
@@ -34,6 +51,7 @@ template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static constexpr int kKeyTiles = kKeys / 8;                // n-tiles of S = Q K^T
     static constexpr int kDimTiles = kHeadDim / 8;             // n-tiles of O = P V
     static constexpr size_t kSmemBytes = size_t(kStages) * kStageChunks * 16 + size_t(kStages) * kKeys * 4;
+    static constexpr size_t kKeySmemBytes = size_t(kStages) * kTileChunks * 16 + size_t(kStages) * kKeys * 4; // K only
 };
 
 // Shared-memory chunk index of (row, 16-byte chunk) in a K or V tile: the chunk is XORed with the

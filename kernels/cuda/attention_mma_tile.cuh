@@ -2,6 +2,23 @@
 // (attention_mma.cu) and the first pass of the attention statistics (attention_stats_mma.cu) share:
 // gathering a key tile from the paged pool, the warp's rows and Q fragments, and S = Q K^T of one
 // tile with its causal mask. Sharing them is what keeps the two kernels' scores bit-identical.
+//
+// The key-tile loop (for_each_key_tile) is a ring of kStages shared-memory stages with ONE CTA
+// barrier per tile. Per tile t:
+//   wait for t's copies (cp.async.wait_group kStages - 2), __syncthreads, issue the copies of tile
+//   t + kStages - 1 into the stage tile t - 1 used, commit, compute t.
+// The barrier does two jobs at once: it publishes t's stage (every thread's copies of it are done)
+// and proves that every warp has finished t - 1, whose stage the new copies overwrite. Whether a
+// tile is visible at all, which of its slots to zero-fill and whether it needs the mask are decided
+// by each warp on its own, with warp votes over the tile's 64 positions (two per lane, loaded one
+// iteration early): every warp reads the same positions against the same CTA range
+// [min_q_pos, max_q_pos], so all reach the same decision without a CTA-wide vote.
+// Why: with the earlier loop's four barriers per tile (two CTA votes, data ready, stage free) the 8
+// warps of a CTA stayed in lock step, all in Q K^T, then all in the softmax, and the tensor pipe
+// idled in between (Nsight Compute on an H200: issue slots 34% busy, 0.49 eligible warps per
+// scheduler). One barrier lets warps drift apart by up to a tile, and two tiles in flight give the
+// copies a whole tile's compute more to land. CONDUIT_MMA_ONE_BARRIER=0 (attention_mma.cuh) builds
+// the earlier loop for A/B runs; both compute every tile in the same order, bit for bit.
 #pragma once
 
 #include <math_constants.h>
@@ -9,13 +26,6 @@
 #include "attention_mma.cuh"
 
 namespace conduit::kernels::cuda {
-
-// The position of slot tile * kKeys + threadIdx.x (threads below kKeys; 0 elsewhere or past the
-// end). Read one tile ahead of load_tile, so that the load is in flight during a tile's compute.
-template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const AttentionParams &p, int32_t tile) {
-    const int32_t slot = tile * MmaShape<kHeadDim>::kKeys + int32_t(threadIdx.x);
-    return threadIdx.x < MmaShape<kHeadDim>::kKeys && slot < p.n_tokens ? p.positions[slot] : 0;
-}
 
 // What a key tile holds for the CTA's rows: nothing visible (skipped), some slots visible (masked
 // per element), or every slot visible to every row (no mask: most tiles of a causal prefill).
@@ -31,6 +41,154 @@ __device__ __forceinline__ const T *paged_key_chunk(const AttentionParams &p, co
     const int32_t block_mask = (1 << p.block_shift) - 1;
     return static_cast<const T *>(p.pool) + block * p.block_elems +
            ((int64_t(kv_head) << p.block_shift) + (slot & block_mask)) * kHeadDim + chunk * 8;
+}
+
+#if CONDUIT_MMA_ONE_BARRIER
+
+// The positions of a key tile's kKeys = 64 slots as one warp holds them: lane l has slot l (lo) and
+// slot 32 + l (hi); 0 for slots past the keys, and for tiles at or past tile_end (never loaded).
+struct LanePositions {
+    int32_t lo, hi;
+};
+
+template <int kKeys>
+__device__ __forceinline__ LanePositions lane_positions(const AttentionParams &p, int32_t tile, int32_t tile_end) {
+    static_assert(kKeys == 64, "two slots per lane");
+    const int32_t slot = tile * kKeys + int32_t(threadIdx.x % 32);
+    LanePositions pos{0, 0};
+    if (tile < tile_end) {
+        if (slot < p.n_tokens) pos.lo = p.positions[slot];
+        if (slot + 32 < p.n_tokens) pos.hi = p.positions[slot + 32];
+    }
+    return pos;
+}
+
+// What the CTA's rows see of the tile at tile_start, as every warp works it out for itself: bit l of
+// seen[h] is set when slot 32 h + l exists and the CTA's latest query (max_q_pos) sees it (the rest
+// are zero-filled); view is kTileHidden when no bit is set and kTileOpen when every slot exists and
+// the earliest query (min_q_pos) sees it too. Warp-uniform; call from all lanes. The two ballots
+// also give each copying thread its rows' zero-fill decision, without a shuffle or a shared read.
+struct TileSlots {
+    uint32_t seen[2];
+    TileView view;
+};
+
+__device__ __forceinline__ TileSlots tile_slots(const AttentionParams &p, int32_t tile_start, LanePositions pos,
+                                                int32_t max_q_pos, int32_t min_q_pos) {
+    const int32_t lane = threadIdx.x % 32;
+    const bool exists_lo = tile_start + lane < p.n_tokens, exists_hi = tile_start + 32 + lane < p.n_tokens;
+    TileSlots slots;
+    slots.seen[0] = __ballot_sync(0xffffffffu, exists_lo && pos.lo <= max_q_pos);
+    slots.seen[1] = __ballot_sync(0xffffffffu, exists_hi && pos.hi <= max_q_pos);
+    const bool seen_by_all = exists_lo && pos.lo <= min_q_pos && exists_hi && pos.hi <= min_q_pos;
+    slots.view = (slots.seen[0] | slots.seen[1]) == 0u ? kTileHidden
+                 : __all_sync(0xffffffffu, seen_by_all) ? kTileOpen
+                                                        : kTileMasked;
+    return slots;
+}
+
+// Issues the cp.async copies of the K rows of the tile at tile_start (and of its V rows right after
+// them when kWithValues) into `stage`, zero-filling the rows of slots not in slots.seen (past the
+// end, or visible to no row: their K/V may be garbage or NaN). The block-table reads of all the
+// thread's chunks come first: cp.async's memory clobber would otherwise hold each read behind the
+// previous copy, one cache round trip per chunk.
+template <typename T, int kHeadDim, int kWarps, bool kWithValues>
+__device__ __forceinline__ void issue_tile_copies(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
+                                                  const TileSlots &slots, uint4 *stage) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    constexpr int kChunksPerThread = S::kTileChunks / S::kThreads;
+    const T *pool = static_cast<const T *>(p.pool);
+    const T *k_src[kChunksPerThread];
+    bool seen[kChunksPerThread];
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
+        const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
+        seen[i] = ((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u;
+        k_src[i] = seen[i] ? paged_key_chunk<T, kHeadDim>(p, p.block_table, kv_head, tile_start + row, chunk) : pool;
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
+        const int dst = swizzled<S::kRowChunks>(idx / S::kRowChunks, idx % S::kRowChunks);
+        cp_async16(stage + dst, k_src[i], seen[i]);
+        if constexpr (kWithValues)
+            cp_async16(stage + S::kTileChunks + dst, seen[i] ? k_src[i] + p.v_delta : pool, seen[i]);
+    }
+}
+
+// Streams the key tiles [tile_begin, tile_end) of one KV head through a ring of MmaShape::kStages
+// shared-memory stages (cp.async, kStages - 1 tiles ahead of the compute, one CTA barrier per tile:
+// see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile some row
+// of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when kWithValues; tile_pos:
+// its kKeys positions). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
+// (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile;
+// pos_smem: kStages * kKeys positions. Call from all threads.
+template <typename T, int kHeadDim, int kWarps, bool kWithValues, typename OnTile>
+__device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_begin,
+                                                  int32_t tile_end, int32_t max_q_pos, int32_t min_q_pos, uint4 *smem,
+                                                  int32_t *pos_smem, OnTile &&on_tile) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    constexpr int kStageChunks = kWithValues ? S::kStageChunks : S::kTileChunks;
+    const int32_t lane = threadIdx.x % 32;
+    // Decides what the tile shows the CTA, stores its positions in the stage's slot (warp 0: the
+    // mask reads them) and, unless it is hidden, issues its copies into the stage.
+    //
+    // Ordering of the positions (plain shared-memory stores, ordered by the loop's one barrier):
+    // tile u's are stored by warp 0 right after the barrier of iteration u - kStages + 1 (the first
+    // kStages - 1 tiles: before the first barrier) and read by scale_and_mask in iteration u, after
+    // that iteration's barrier, which warp 0 reaches only after its stores: every warp reads them
+    // written. The slot they overwrite held tile u - kStages's, read last in the compute of
+    // iteration u - kStages, which every warp finished before arriving at the barrier warp 0 had just
+    // passed. The K/V copies reuse their stage by the same argument, with each thread's
+    // cp.async.wait_group before the barrier in place of program order.
+    const auto start_tile = [&](int32_t tile, LanePositions pos, int stage) {
+        const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
+        if (threadIdx.x < 32) {
+            pos_smem[stage * S::kKeys + lane] = pos.lo;
+            pos_smem[stage * S::kKeys + 32 + lane] = pos.hi;
+        }
+        if (slots.view != kTileHidden)
+            issue_tile_copies<T, kHeadDim, kWarps, kWithValues>(p, kv_head, tile * S::kKeys, slots,
+                                                                smem + stage * kStageChunks);
+        return slots.view;
+    };
+    // The views of the tiles in flight, 2 bits each: bits 2k, 2k + 1 are tile + k's (0: hidden, also
+    // for tiles past the end).
+    uint32_t views = 0;
+#pragma unroll
+    for (int ahead = 0; ahead < S::kStages - 1; ++ahead) {
+        const int32_t tile = tile_begin + ahead;
+        if (tile < tile_end)
+            views |= uint32_t(start_tile(tile, lane_positions<S::kKeys>(p, tile, tile_end), ahead)) << (2 * ahead);
+        cp_async_commit(); // one group per tile, empty or not: wait_group counts them
+    }
+    LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + S::kStages - 1, tile_end);
+    int stage = 0, free_stage = S::kStages - 1; // tile's stage; the stage of tile - 1 (tile + kStages - 1's)
+    for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
+        cp_async_wait<S::kStages - 2>(); // this thread's copies of tile are done
+        __syncthreads();                 // everyone's are; and every warp is done with tile - 1
+        const int32_t ahead = tile + S::kStages - 1;
+        if (ahead < tile_end) {
+            views |= uint32_t(start_tile(ahead, pos_ahead, free_stage)) << (2 * (S::kStages - 1));
+            pos_ahead = lane_positions<S::kKeys>(p, ahead + 1, tile_end); // lands during this tile's compute
+        }
+        cp_async_commit();
+        const TileView view = TileView(views & 3u);
+        views >>= 2;
+        if (view != kTileHidden) on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
+        free_stage = stage;
+        stage = stage + 1 == S::kStages ? 0 : stage + 1;
+    }
+}
+
+#else // CONDUIT_MMA_ONE_BARRIER: the earlier loop, kept for A/B runs
+
+// The position of slot tile * kKeys + threadIdx.x (threads below kKeys; 0 elsewhere or past the
+// end). Read one tile ahead of load_tile, so that the load is in flight during a tile's compute.
+template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const AttentionParams &p, int32_t tile) {
+    const int32_t slot = tile * MmaShape<kHeadDim>::kKeys + int32_t(threadIdx.x);
+    return threadIdx.x < MmaShape<kHeadDim>::kKeys && slot < p.n_tokens ? p.positions[slot] : 0;
 }
 
 // Stores the positions of the tile at tile_start (`pos`, from slot_position) in stage_pos and, when
@@ -106,6 +264,8 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
         __syncthreads(); // the next iteration's copies overwrite this stage
     }
 }
+
+#endif // CONDUIT_MMA_ONE_BARRIER
 
 // Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
 template <auto kKernel> void allow_dynamic_smem(size_t bytes) {

@@ -346,9 +346,10 @@ void launch_typed(const AttentionParams &p, float threshold, float *mass, float 
     sp.padded_queries = padded_queries;
     sp.rows_per_chunk = int32_t(stages_per_chunk * Key::kStageRows);
     if (n_splits > 0) {
-        const size_t smem = size_t(Score::kStages) * (Score::kTileChunks * 16 + Score::kKeys * 4);
+        allow_dynamic_smem<&mma_score_max_lse_kernel<T, kHeadDim>>(Score::kKeySmemBytes); // 3 stages: 49 KiB at 128
         const dim3 grid{unsigned(row_tiles), unsigned(p.n_kv_heads), unsigned(n_splits)};
-        mma_score_max_lse_kernel<T, kHeadDim><<<grid, Score::kThreads, smem, stream>>>(sp.a, int32_t(tiles_per_split));
+        mma_score_max_lse_kernel<T, kHeadDim><<<grid, Score::kThreads, Score::kKeySmemBytes, stream>>>(
+            sp.a, int32_t(tiles_per_split));
         CUDA_CHECK_LAUNCH("mma_score_max_lse_kernel");
     }
     merge_score_stats(sp, lse, stream);

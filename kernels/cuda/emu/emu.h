@@ -4,8 +4,8 @@
 // compiles them with g++ against this header.
 //
 // Model: the blocks of a grid run one after another; the threads of a block are fibers on one OS
-// thread (emu.cpp). __syncthreads and warp operations (__shfl_xor_sync, __any_sync) are barriers,
-// so a thread that skips one makes the emulator report a deadlock instead of hanging. `__shared__` becomes `static`
+// thread (emu.cpp). __syncthreads and warp operations (__shfl_xor_sync, __any_sync, __all_sync,
+// __ballot_sync) are barriers, so a thread that skips one makes the emulator report a deadlock instead of hanging. `__shared__` becomes `static`
 // (one copy shared by the threads of the running block), dynamic shared memory is filled with
 // 0xff bytes (NaN as float) to expose reads of unwritten data, and cp.async copies are deferred
 // until the issuing thread waits for their group.
@@ -116,6 +116,7 @@ inline int __syncthreads_or(int pred) { return emu::block_any(pred != 0) ? 1 : 0
 inline int __syncthreads_and(int pred) { return emu::block_any(pred == 0) ? 0 : 1; } // all true = none false
 
 inline int __any_sync(unsigned, int pred) { return emu::warp_any(pred != 0) ? 1 : 0; }
+inline int __all_sync(unsigned, int pred) { return emu::warp_any(pred == 0) ? 0 : 1; } // all true = none false
 
 inline unsigned __ballot_sync(unsigned, int pred) { return emu::warp_ballot(pred != 0); }
 

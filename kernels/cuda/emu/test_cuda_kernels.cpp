@@ -113,6 +113,13 @@ void hide_slot(Layer &l, int s, int pos) {
     }
 }
 
+// Hides every slot of the 64-slot key tiles (the tensor-core kernels' tile) whose bit is set in
+// `tiles`: positions past every query, K/V NaN, so that those tiles are skipped whole.
+void hide_tiles(Layer &l, uint64_t tiles) {
+    for (int s = 0; s < l.view.n_tokens && s / 64 < 64; ++s)
+        if ((tiles >> (s / 64)) & 1u) hide_slot(l, s, 1 << 30);
+}
+
 Buf<unsigned char> random_dense(kc::DType dtype, int64_t n, float scale = 1.0f) {
     Buf<unsigned char> out(size_t(n) * kc::dtype_size(dtype) + 64);
     for (int64_t i = 0; i < n; ++i) kc::cpu::store(out.data(), i, uniform(-scale, scale), dtype);
@@ -146,9 +153,10 @@ enum class Layout {
 };
 
 // The CUDA attention against the CPU backend on a random layer (out and lse), then again without lse:
-// the same out, bit for bit. `stream`: the stream to run on (a fresh one gets a fresh workspace).
+// the same out, bit for bit. hidden_tiles: 64-slot key tiles no query sees (hide_tiles). `stream`:
+// the stream to run on (a fresh one gets a fresh workspace).
 void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, bool unaligned_q,
-                    Layout layout = Layout::kRandom, void *stream = nullptr) {
+                    Layout layout = Layout::kRandom, uint64_t hidden_tiles = 0, void *stream = nullptr) {
     const int n_heads = hk * group, max_pos = 60;
     Layer l = make_layer(dtype, hk, d, bs, n_tokens, max_pos);
     const size_t es = kc::dtype_size(dtype);
@@ -177,6 +185,7 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
             else if (s > last_query) hide_slot(l, s, s);
         }
     }
+    hide_tiles(l, hidden_tiles);
     const size_t out_elems = size_t(n_q) * n_heads * d;
     Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff), out_again(out_elems * es, 0xff);
     Buf<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, 123.0f);
@@ -185,8 +194,9 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), lse_gpu.data(), stream);
     device_sync();
     char name[200];
-    std::snprintf(name, sizeof name, "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d layout=%d",
-                  dtype_name(dtype), hk, group, d, bs, n_tokens, n_q, int(unaligned_q), int(layout));
+    std::snprintf(name, sizeof name, "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d layout=%d hidden=%llx",
+                  dtype_name(dtype), hk, group, d, bs, n_tokens, n_q, int(unaligned_q), int(layout),
+                  (unsigned long long)hidden_tiles);
     int bad = 0;
     for (size_t i = 0; i < out_elems; ++i) {
         const float a = kc::cpu::load(out_gpu.data(), int64_t(i), dtype), b = kc::cpu::load(out_cpu.data(), int64_t(i), dtype);
@@ -203,9 +213,9 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
 // prefill chunk, as CONDUIT's text queries); otherwise random positions, query 1 sees nothing.
 // The CUDA result must match the CPU and be bit-identical when run again (deterministic). With
 // threshold 1 every visible score but the max counts as below: an exact count that only holds when
-// pass 3 recomputes the max of pass 1 bit for bit.
+// pass 3 recomputes the max of pass 1 bit for bit. hidden_tiles: 64-slot key tiles no query sees.
 void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, float threshold,
-                bool causal_chunk = false) {
+                bool causal_chunk = false, uint64_t hidden_tiles = 0) {
     const int n_heads = hk * group;
     Layer l = make_layer(dtype, hk, d, bs, n_tokens, 80);
     Buf<unsigned char> q_buf = random_dense(dtype, int64_t(n_q) * n_heads * d, 2.0f);
@@ -217,6 +227,7 @@ void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens,
     } else {
         for (int s = 3; s < n_tokens; s += 7) hide_slot(l, s, 90); // seen by no query: NaN must not leak
     }
+    hide_tiles(l, hidden_tiles);
     Buf<float> mass_cpu(size_t(n_tokens) + 1), mass_gpu(size_t(n_tokens) + 1, NAN), mass_again(size_t(n_tokens) + 1, NAN);
     Buf<float> below_cpu(static_cast<size_t>(n_heads)), below_gpu(static_cast<size_t>(n_heads), NAN);
     Buf<float> below_again(static_cast<size_t>(n_heads), NAN);
@@ -230,8 +241,9 @@ void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens,
                               below_again.data(), lse_again.data(), nullptr);
     device_sync();
     char name[200];
-    std::snprintf(name, sizeof name, "stats %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d thr=%g causal=%d", dtype_name(dtype),
-                  hk, group, d, bs, n_tokens, n_q, double(threshold), int(causal_chunk));
+    std::snprintf(name, sizeof name, "stats %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d thr=%g causal=%d hidden=%llx",
+                  dtype_name(dtype), hk, group, d, bs, n_tokens, n_q, double(threshold), int(causal_chunk),
+                  (unsigned long long)hidden_tiles);
     int bad = 0;
     for (int s = 0; s < n_tokens; ++s) bad += !close(mass_gpu[size_t(s)], mass_cpu[size_t(s)], 1e-5f, 1e-4f);
     for (int h = 0; h < n_heads; ++h) bad += std::fabs(below_gpu[size_t(h)] - below_cpu[size_t(h)]) > 1.0f;
@@ -294,6 +306,15 @@ void test_stats_grid() {
         }
     test_stats(kc::DType::BF16, 8, 4, 128, 16, 130 + randint(1, 63), 64, 0.01f, true); // the bench's heads and queries
     test_stats(kc::DType::BF16, 2, 4, 128, 16, 300 + randint(1, 20), 80, 1.0f, true);
+    // Pass 1's ring of key-tile stages (attention_mma_tile.cuh): a split of one tile (fewer than the
+    // stages), hidden tiles inside splits of 3 tiles (2100 keys over 16 CTAs), every tile hidden.
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            test_stats(t, 1, 2, d, 16, 40, 20, 0.01f);
+            test_stats(t, 2, 4, d, 16, 330, 9, 1.0f, false, 0b01010);
+            test_stats(t, 1, 4, d, 16, 200, 9, 0.01f, randint(0, 1), ~0ull);
+        }
+    test_stats(kc::DType::BF16, 1, 4, 128, 16, 2100, 4, 1.0f, true, (1ull << 4) | (1ull << 5) | (1ull << 6) | (1ull << 20));
 }
 
 // Pools or dense tensors: bit for bit in the emulator (same cosf/sinf as the CPU); on a GPU, whose
@@ -549,7 +570,7 @@ void test_mma_split_grid() {
 #ifndef CONDUIT_TEST_ON_GPU
     // A fresh stream whose workspace cannot be allocated: one split, the same answer.
     emu::g_malloc_limit = 0;
-    test_attention(kc::DType::BF16, 2, 1, 128, 16, 1540, 40, false, Layout::kCausalChunk, reinterpret_cast<void *>(0x5eed));
+    test_attention(kc::DType::BF16, 2, 1, 128, 16, 1540, 40, false, Layout::kCausalChunk, 0, reinterpret_cast<void *>(0x5eed));
     emu::g_malloc_limit = SIZE_MAX;
 #endif
 }
@@ -653,6 +674,20 @@ int main(int argc, char **argv) {
     test_attention(kc::DType::BF16, 1, 2, 64, 8, 300, 300, false, Layout::kCausalChunk);  // early CTAs skip whole key tiles
     test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, Layout::kCausalChunk); // 2 splits of 3 and 2 tiles
     test_mma_split_grid();
+    // The ring of key-tile stages (attention_mma_tile.cuh, 3 stages): one and two tiles (fewer than
+    // the stages), hidden tiles between seen ones (the ring's stage of a skipped tile stays stale),
+    // every tile hidden; then CTAs of 8 warps (8 or more of them: the emulator reports 4 SMs).
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            test_attention(t, 1, 4, d, 16, 40, 20, false);
+            test_attention(t, 2, 2, d, 4, 100, 40, false, Layout::kCausalChunk);
+            test_attention(t, 1, 2, d, 16, 320, 40, false, Layout::kRandom, 0b00100);
+            test_attention(t, 1, 1, d, 8, 450, 70, false, Layout::kCausalChunk, 0b0100110);
+            test_attention(t, 1, 4, d, 16, 200, 20, false, randint(0, 1) ? Layout::kCausalChunk : Layout::kRandom,
+                           ~0ull);
+        }
+    test_attention(kc::DType::BF16, 4, 2, 128, 16, 200, 128, false, Layout::kCausalChunk);
+    test_attention(kc::DType::F16, 4, 2, 64, 16, 330, 128, false, Layout::kRandom, 0b01010);
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     test_stats_grid();
