@@ -105,6 +105,25 @@ def test_wrong_shapes_slots_and_layers_leave_the_sequence_unchanged(arena):
     assert_still_usable(arena)
 
 
+def test_attention_into_a_given_output(arena):
+    """``out=`` receives the attention (the prefill graphs' static buffer); a wrong one is refused
+    before anything runs."""
+    seq = arena.new_sequence()
+    seq.append(range(5))
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    seq.write_kv(0, k, v)
+    q, q_pos = torch.randn(3, 4, 16), torch.tensor([1, 3, 4], dtype=torch.int32)
+    want = seq.attention(0, q, q_pos, 0.25)
+    out = torch.full((3, 4, 16), float("nan"))
+    assert seq.attention(0, q, q_pos, 0.25, out=out) is out
+    assert torch.equal(out, want)
+    for bad, match in ((torch.empty(3, 4, 8), "shape"), (torch.empty(3, 4, 16, dtype=torch.float64), "dtype"),
+                       (torch.empty(16, 4, 3).transpose(0, 2), "contiguous")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            seq.attention(0, q, q_pos, 0.25, out=bad)
+    assert_still_usable(arena)
+
+
 def test_arena_full_is_recoverable_and_changes_nothing(arena):
     total = arena.stats().n_blocks_total  # 16 blocks of 4 tokens, 2 layers: 32 tokens fit
     seq = arena.new_sequence()

@@ -127,6 +127,10 @@ def test_sampling_with_a_seed_is_repeatable(runtime):
 @pytest.mark.parametrize("bad,match", [
     ([{"role": "user"}], "content"),
     ([{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}], "image"),
+    # several images are decoded on a thread pool: the bad one's error still reaches the caller
+    ([{"role": "user", "content": [*({"type": "image", "image": im} for im in images(2)),
+                                   {"type": "image", "image": b"not an image"}, {"type": "text", "text": "x"}]}],
+     "image"),
     ([{"role": "user", "content": "x"}], "top_p"),
 ])
 def test_bad_requests_raise_request_errors_and_the_runtime_stays_usable(runtime, bad, match):
