@@ -285,6 +285,10 @@ class Sequence(_Child):
             raise InvalidArgumentError(f"layer {layer} out of range [0, {self.arena.n_layers})")
         return n
 
+    def max_tokens(self) -> int:
+        """Tokens of the longest layer (layers differ after compaction); one native call."""
+        return int(self._lib.conduit_seq_max_tokens(self.handle))
+
     def positions(self, layer: int = 0) -> torch.Tensor:
         """Causal positions of the layer's tokens in slot order: int32 [n_tokens], on the CPU."""
         n = self.n_tokens(layer)

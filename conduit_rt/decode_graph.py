@@ -54,7 +54,7 @@ class GraphedDecoder:
     def step(self, seq: Sequence, token: int, position: int, rope_position: int) -> torch.Tensor:
         """Appends ``token`` at causal ``position`` (RoPE position ``rope_position``) to ``seq`` and
         returns the next-token logits: float32 [vocab], valid until the next call."""
-        longest = max(seq.n_tokens(layer) for layer in range(self.arena.n_layers))
+        longest = seq.max_tokens()
         if longest + 1 > self.capacity:
             self._grow(longest + 1)
         if self._graph is None and not self._capture_failed:

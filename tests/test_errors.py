@@ -43,6 +43,7 @@ def test_null_handles_are_invalid_arguments_not_crashes():
         assert status == lib.CONDUIT_ERR_INVALID_ARGUMENT
         assert "NULL" in native.last_error()
     assert lib.conduit_seq_n_tokens(ffi.NULL, 0) == -1
+    assert lib.conduit_seq_max_tokens(ffi.NULL) == -1
     lib.conduit_seq_free(ffi.NULL)
     lib.conduit_arena_free(ffi.NULL)
 

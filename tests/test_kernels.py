@@ -210,6 +210,7 @@ def test_compact_keeps_the_chosen_tokens_and_frees_blocks(device, dtype, block_s
     assert torch.equal(k_c.cpu(), k.cpu()[keep]) and torch.equal(v_c.cpu(), v.cpu()[keep])
     assert torch.equal(seq.positions(0), positions[keep])
     assert seq.n_tokens(1) == n  # other layers untouched
+    assert seq.max_tokens() == n  # the longest layer
     freed = -(-n // block_size) - (-(-11 // block_size))
     assert arena.stats().n_blocks_used == used_before - freed
     # attention over the compacted layer equals attention over the kept subset
@@ -218,6 +219,8 @@ def test_compact_keeps_the_chosen_tokens_and_frees_blocks(device, dtype, block_s
     out = seq.attention(0, q, q_pos.to(device), 0.125)
     ref, _ = reference.attention(q.cpu(), k.cpu()[keep], v.cpu()[keep], q_pos, positions[keep], 0.125)
     torch.testing.assert_close(out.cpu().double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    seq.compact(1, torch.arange(20))
+    assert (seq.n_tokens(0), seq.n_tokens(1), seq.max_tokens()) == (11, 20, 20)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

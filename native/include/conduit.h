@@ -232,6 +232,10 @@ CONDUIT_API conduit_status conduit_seq_append(conduit_seq *seq, const conduit_po
 /* Tokens held by a layer, or -1 for a bad handle or layer. */
 CONDUIT_API int32_t conduit_seq_n_tokens(const conduit_seq *seq, int32_t layer);
 
+/* Tokens held by the sequence's longest layer (layers differ after compaction), or -1 for a bad
+ * handle: one call where a decode loop would otherwise ask every layer. */
+CONDUIT_API int32_t conduit_seq_max_tokens(const conduit_seq *seq);
+
 /* Copies the causal positions of a layer's tokens, in slot order, into out (host int32 [cap]).
  * Errors: INVALID_ARGUMENT (cap < n_tokens(layer)). */
 CONDUIT_API conduit_status conduit_seq_get_positions(const conduit_seq *seq, int32_t layer, conduit_pos *out, int32_t cap);

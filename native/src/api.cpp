@@ -1,5 +1,6 @@
 // api.cpp: the exported C functions. Each checks its handles, runs the operation inside a guard that
 // turns every C++ exception into a status plus the thread-local message, and never lets one escape.
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -229,6 +230,13 @@ conduit_status conduit_seq_append(conduit_seq *seq, const conduit_pos *positions
 int32_t conduit_seq_n_tokens(const conduit_seq *seq, int32_t layer) {
     if (!seq || layer < 0 || layer >= int32_t(seq->layers.size())) return -1;
     return seq->layers[size_t(layer)]->n_tokens();
+}
+
+int32_t conduit_seq_max_tokens(const conduit_seq *seq) {
+    if (!seq) return -1;
+    int32_t longest = 0;
+    for (const auto &layer : seq->layers) longest = std::max(longest, layer->n_tokens());
+    return longest;
 }
 
 conduit_status conduit_seq_get_positions(const conduit_seq *seq, int32_t layer, conduit_pos *out, int32_t cap) {
