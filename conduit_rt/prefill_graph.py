@@ -83,7 +83,7 @@ class PrefillGraphs:
 
     ``forward`` stands in for ``model.forward``. A bucket is captured the first time a pass uses it;
     if capture fails the bucket runs eagerly from then on. Memory: each captured bucket keeps its
-    static buffers (for LLaVA-7B about 56 KiB a row: 58 MiB at 1024 rows), and the graphs' transient
+    static buffers (for LLaVA-7B about 56 KiB a row: 56 MiB at 1024 rows), and the graphs' transient
     tensors share one pool across buckets (pieces never run concurrently), the size of the largest
     piece's (the MLP's [bucket, 2 intermediate] product). The graphs read the weights where they were
     at capture: replacing the model's parameters afterwards needs a new ``PrefillGraphs``.
