@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from .models.base import ForwardBatch, LayerCapture
+from .models.llama import LlamaDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +93,18 @@ class PrefillGraphs:
     def __init__(self, model, buckets: tuple[int, ...] = BUCKETS) -> None:
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA model")
+        if not self.supports(model):
+            raise ValueError("prefill graphs need a model whose language_model is a llama.LlamaDecoder")
         self.model, self.decoder = model, model.language_model
         self.buckets = tuple(sorted(buckets))
         self._pieces: dict[int, _Pieces | None] = {}  # None: capture failed, eager
         self._pool = torch.cuda.graph_pool_handle()  # pieces run one after another: one pool serves all
         self.replayed_passes = 0  # passes served by replays (the rest ran eagerly)
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether the model's decoder is the Llama one whose layers split around the attention."""
+        return isinstance(getattr(model, "language_model", None), LlamaDecoder)
 
     def forward(self, seq, embeds: torch.Tensor, batch: ForwardBatch,
                 capture: LayerCapture | None = None) -> torch.Tensor:
@@ -131,16 +139,21 @@ class PrefillGraphs:
     def _capture(self, bucket: int) -> _Pieces | None:
         """Runs each piece once on a side stream (Triton compiles, cuBLAS picks its kernels and the
         allocator grows outside the capture), then records each into its graph."""
+        current = torch.cuda.current_stream(self.model.device)
+        side = torch.cuda.Stream(self.model.device)
         try:
-            pieces = _Pieces(self.decoder, bucket, self.model.dtype, self.model.device)
+            # Plain tensors even if the caller runs under inference mode: later passes outside it
+            # write into them.
+            with torch.inference_mode(False):
+                pieces = _Pieces(self.decoder, bucket, self.model.dtype, self.model.device)
             functions = pieces.functions()
-            current = torch.cuda.current_stream(self.model.device)
-            side = torch.cuda.Stream(self.model.device)
             side.wait_stream(current)
-            with torch.no_grad(), torch.cuda.stream(side):
-                for function in functions:
-                    function()
-            current.wait_stream(side)
+            try:
+                with torch.no_grad(), torch.cuda.stream(side):
+                    for function in functions:
+                        function()
+            finally:  # also when a piece fails: the buffers go back to the allocator only after the side stream
+                current.wait_stream(side)
             with torch.no_grad():
                 for function in functions:
                     graph = torch.cuda.CUDAGraph()

@@ -68,15 +68,18 @@ def to_rgb_array(image: ImageInput | np.ndarray) -> np.ndarray:
 
     Transparency (an alpha band or a palette transparency entry) is composited onto white, as
     Hugging Face's ``convert_to_rgb`` does; every other mode goes through ``convert("RGB")``.
-    An array must already be [height, width, 3] uint8.
+    An array must already be [height, width, 3] uint8. An image without pixels is a RequestError.
     """
     if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
             raise RequestError(
-                f"a pixel array must be [height, width, 3] uint8, got {image.shape} {image.dtype}"
+                f"a pixel array must be [height, width, 3] uint8 with at least one pixel, got {image.shape} "
+                f"{image.dtype}"
             )
         return np.ascontiguousarray(image)
     pil = load_image(image)
+    if pil.width == 0 or pil.height == 0:
+        raise RequestError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
     if "A" in pil.getbands() or pil.info.get("transparency") is not None:
         rgba = pil.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

@@ -174,7 +174,7 @@ class Runtime:
         self.prefix_cache = PrefixCache(prefix_cache_entries)
         graphs = cuda_graphs and self.device.type == "cuda"
         self.graphed_decoder = GraphedDecoder(model, self.arena) if graphs else None
-        self.prefill_graphs = PrefillGraphs(model) if graphs else None
+        self.prefill_graphs = PrefillGraphs(model) if graphs and PrefillGraphs.supports(model) else None
 
     def _kv_bytes(self, requested: int | None) -> int:
         if requested is not None:
@@ -254,21 +254,28 @@ class Runtime:
         _, payloads = validate_messages(messages)
         if payloads and not self.model.has_vision:
             raise RequestError("this model has no vision tower: load it with its mmproj.gguf to send images")
-        def decoded(payload) -> tuple[np.ndarray, bytes]:
-            rgb = to_rgb_array(payload)
-            return rgb, image_key(rgb, self._image_params, a.vision_model_id)
-
-        # Decoding and hashing release the GIL: several images go through a thread pool (8 images of
-        # 336 x 336 took ~5 ms one after another, before any GPU work of the request could start).
-        pixels_and_keys = list(_image_pool().map(decoded, payloads)) if len(payloads) > 1 else \
-            [decoded(payload) for payload in payloads]
-        pixels = [rgb for rgb, _ in pixels_and_keys]
-        keys = [key for _, key in pixels_and_keys]
+        pixels, keys = self._decode_images(payloads)
         images = [self.model.prepare_image(rgb) for rgb in pixels]
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
                               [image.n_tokens for image in images])
         rope = self.model.rope_positions(prompt, images)
         return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys))
+
+    def _decode_images(self, payloads: list) -> tuple[list[np.ndarray], list[bytes]]:
+        """Each image's RGB pixels ([H, W, 3] uint8) and cache key, in order.
+
+        Decoding and hashing release the GIL, so several images go through a thread pool (8 images of
+        336 x 336 took ~5 ms one after another, before any GPU work of the request could start). Each
+        distinct payload object is decoded once, by one thread: a lazily opened PIL image shown twice
+        must not be loaded by two threads at once (they would share its file pointer)."""
+        def decoded(payload) -> tuple[np.ndarray, bytes]:
+            rgb = to_rgb_array(payload)
+            return rgb, image_key(rgb, self._image_params, self.assets.vision_model_id)
+
+        distinct = list({id(payload): payload for payload in payloads}.values())
+        results = list(_image_pool().map(decoded, distinct)) if len(distinct) > 1 else [decoded(p) for p in distinct]
+        by_object = {id(payload): result for payload, result in zip(distinct, results)}
+        return [by_object[id(p)][0] for p in payloads], [by_object[id(p)][1] for p in payloads]
 
     def _prefill_planned(self, request: _Request, spec: RefreshSpec, squeeze: CompressSpec,
                          turn: Any) -> tuple[Any, torch.Tensor, GenerationStats, Any]:
@@ -485,6 +492,10 @@ class Runtime:
 def _image_pool() -> ThreadPoolExecutor:
     """The threads that decode and hash a request's images (one pool per process)."""
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="conduit-images")
+
+
+# A forked child inherits the cached pool without its threads: it makes its own.
+os.register_at_fork(after_in_child=_image_pool.cache_clear)
 
 
 def _identity(prompt: Prompt, keys: list[bytes]) -> list:

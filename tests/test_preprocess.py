@@ -149,6 +149,13 @@ def test_unreadable_images_raise_request_error(bad, fragment):
         load_image(bad)
 
 
+@pytest.mark.parametrize("empty", [np.zeros((0, 5, 3), dtype=np.uint8), np.zeros((4, 0, 3), dtype=np.uint8),
+                                   Image.new("RGB", (0, 3)), Image.new("L", (3, 0))])
+def test_images_without_pixels_raise_request_error(empty):
+    with pytest.raises(RequestError, match="at least one pixel"):
+        to_rgb_array(empty)
+
+
 def test_unsupported_processor_is_a_model_format_error():
     with pytest.raises(ModelFormatError, match="SiglipImageProcessor"):
         preprocess_params_from_hf_config({"image_processor_type": "SiglipImageProcessor"})

@@ -1,6 +1,8 @@
 """The Runtime end to end on a converted tiny LLaVA-1.5, against transformers' generate."""
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -127,6 +129,7 @@ def test_sampling_with_a_seed_is_repeatable(runtime):
 @pytest.mark.parametrize("bad,match", [
     ([{"role": "user"}], "content"),
     ([{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}], "image"),
+    ([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (0, 4))}]}], "pixel"),
     # several images are decoded on a thread pool: the bad one's error still reaches the caller
     ([{"role": "user", "content": [*({"type": "image", "image": im} for im in images(2)),
                                    {"type": "image", "image": b"not an image"}, {"type": "text", "text": "x"}]}],
@@ -138,6 +141,20 @@ def test_bad_requests_raise_request_errors_and_the_runtime_stays_usable(runtime,
         runtime.generate(bad, max_tokens=4, top_p=0.0 if match == "top_p" else 1.0)
     assert runtime.arena.stats().n_seqs == len(runtime.prefix_cache)
     assert runtime.generate([user("Hi", [])], max_tokens=2).stats.decode_tokens <= 2
+
+
+def test_one_lazily_opened_image_shown_twice(runtime):
+    """The same not-yet-loaded PIL image in two parts is decoded once (two threads loading it at once
+    would share its file pointer), and the answer is the one for two loaded copies."""
+    encoded = io.BytesIO()
+    images(1, seed=4)[0].save(encoded, format="PNG")
+    lazy = Image.open(io.BytesIO(encoded.getvalue()))  # not loaded yet
+    loaded = [Image.open(io.BytesIO(encoded.getvalue())) for _ in range(2)]
+    for image in loaded:
+        image.load()
+    got = runtime.generate([user("Same?", [lazy, lazy])], max_tokens=4)
+    want = runtime.generate([user("Same?", loaded)], max_tokens=4)
+    assert got.tokens == want.tokens and got.stats.images == 2
 
 
 def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, capacity: int | None = None) -> None:
@@ -163,6 +180,7 @@ def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, c
         steps += len(got.tokens) - (got.stats.finish_reason == "length")  # forward steps after the prefill
         messages = messages + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "Go on."}]
     assert steps > 10 and graphed.graphed_decoder.replays == steps  # every step replayed the graph
+    assert graphed.prefill_graphs.replayed_passes >= 2  # the prompts' passes replayed their dense work
     assert eager.graphed_decoder is None
 
 

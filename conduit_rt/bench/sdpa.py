@@ -31,7 +31,9 @@ def time_backends(timer: Timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """Per backend: {"seconds", "layout", "time"} or {"error"} when it cannot run this problem.
 
     causal with fewer queries than keys aligns the queries with the last keys (a chunk at the end of
-    its context: query i sees keys up to n_k - n_q + i), through torch's ``causal_lower_right``."""
+    its context: query i sees keys up to n_k - n_q + i), through torch's ``causal_lower_right``,
+    which flash and the memory-efficient kernel take natively; another backend then runs on the
+    materialised mask."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 

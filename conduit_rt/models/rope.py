@@ -128,9 +128,10 @@ def apply_rope(
 class RotaryEmbedding:
     """One model's RoPE on its device: rotates q and configures the arena to rotate K alike.
 
-    The cos/sin tables of a forward pass's positions are computed once (the first layer) and reused
-    by the others: they are the same tensor object at an unchanged version (``Tensor._version``
-    counts in-place writes, such as a CUDA graph's static inputs being refilled).
+    A forward pass computes its cos/sin tables once (``tables``) and hands them to every layer.
+    ``apply`` rotates on its own, caching the tables of the last positions tensor it saw at an
+    unchanged version (``Tensor._version`` counts in-place writes, such as a CUDA graph's static
+    inputs being refilled).
     """
 
     def __init__(self, rope: RopeConfig, device: torch.device | str) -> None:

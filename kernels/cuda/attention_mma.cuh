@@ -34,7 +34,9 @@ constexpr int32_t kMmaTileKeys = 64;
 // KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
 // shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
 // warps share each key tile among more rows (fewer loads per FLOP) at the cost of occupancy. Three
-// stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM (registers allow no more).
+// stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM on sm_90 (228 KiB; registers
+// allow no more), but one on sm_80/sm_87 (164 KiB), where the ring was not measured: a build for
+// those may want CONDUIT_MMA_STAGES=2.
 template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kWarpCount == 4 || kWarpCount == 8, "4 or 8 warps");
