@@ -15,19 +15,10 @@ namespace conduit::kernels::cuda {
 // Slots of a key tile of the tensor-core attention (MmaShape::kKeys): its key splits are whole tiles.
 constexpr int32_t kMmaTileKeys = 64;
 
-// The key-tile loop of attention_mma_tile.cuh, chosen at build time for A/B runs on a GPU:
-// CONDUIT_MMA_ONE_BARRIER=0 builds the earlier loop (one tile ahead, four CTA barriers per tile),
-// otherwise the ring with one barrier per tile. CONDUIT_MMA_STAGES sets the shared-memory stages of
-// either (default 3 for the ring: two tiles in flight behind the one computed; 2 for the old loop).
-#ifndef CONDUIT_MMA_ONE_BARRIER
-#define CONDUIT_MMA_ONE_BARRIER 1
-#endif
+// Shared-memory stages of the tensor-core key-tile loop (attention_mma_tile.cuh): two tiles in flight
+// behind the one computed. A build-time knob (2 to 8) for measuring, and for sm_80 (see MmaShape).
 #ifndef CONDUIT_MMA_STAGES
-#if CONDUIT_MMA_ONE_BARRIER
 #define CONDUIT_MMA_STAGES 3
-#else
-#define CONDUIT_MMA_STAGES 2
-#endif
 #endif
 
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one

@@ -17,8 +17,8 @@
 // warps of a CTA stayed in lock step, all in Q K^T, then all in the softmax, and the tensor pipe
 // idled in between (Nsight Compute on an H200: issue slots 34% busy, 0.49 eligible warps per
 // scheduler). One barrier lets warps drift apart by up to a tile, and two tiles in flight give the
-// copies a whole tile's compute more to land. CONDUIT_MMA_ONE_BARRIER=0 (attention_mma.cuh) builds
-// the earlier loop for A/B runs; both compute every tile in the same order, bit for bit.
+// copies a whole tile's compute more to land. Measured against the earlier loop on an H200 (same run,
+// docs/benchmarks/prefill_attention/): 7-12% more TFLOP/s on every shape, bit-identical results.
 #pragma once
 
 #include <math_constants.h>
@@ -42,8 +42,6 @@ __device__ __forceinline__ const T *paged_key_chunk(const AttentionParams &p, co
     return static_cast<const T *>(p.pool) + block * p.block_elems +
            ((int64_t(kv_head) << p.block_shift) + (slot & block_mask)) * kHeadDim + chunk * 8;
 }
-
-#if CONDUIT_MMA_ONE_BARRIER
 
 // The positions of a key tile's kKeys = 64 slots as one warp holds them: lane l has slot l (lo) and
 // slot 32 + l (hi); 0 for slots past the keys, and for tiles at or past tile_end (never loaded).
@@ -182,90 +180,6 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     }
 }
 
-#else // CONDUIT_MMA_ONE_BARRIER: the earlier loop, kept for A/B runs
-
-// The position of slot tile * kKeys + threadIdx.x (threads below kKeys; 0 elsewhere or past the
-// end). Read one tile ahead of load_tile, so that the load is in flight during a tile's compute.
-template <int kHeadDim> __device__ __forceinline__ int32_t slot_position(const AttentionParams &p, int32_t tile) {
-    const int32_t slot = tile * MmaShape<kHeadDim>::kKeys + int32_t(threadIdx.x);
-    return threadIdx.x < MmaShape<kHeadDim>::kKeys && slot < p.n_tokens ? p.positions[slot] : 0;
-}
-
-// Stores the positions of the tile at tile_start (`pos`, from slot_position) in stage_pos and, when
-// some slot of the tile is visible to the CTA's latest query (max_q_pos), issues the cp.async
-// copies of its K rows (and of its V rows right after them when kWithValues; zero-filled rows for
-// slots past the end or visible to no row). min_q_pos is the CTA's earliest query. Call from all
-// threads (it contains barriers).
-template <typename T, int kHeadDim, int kWarps, bool kWithValues>
-__device__ __forceinline__ TileView load_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
-                                              int32_t pos, int32_t max_q_pos, int32_t min_q_pos, uint4 *stage,
-                                              int32_t *stage_pos) {
-    using S = MmaShape<kHeadDim, kWarps>;
-    bool visible = false, seen_by_all = true;
-    if (threadIdx.x < S::kKeys) {
-        const bool exists = tile_start + int32_t(threadIdx.x) < p.n_tokens;
-        visible = exists && pos <= max_q_pos;
-        seen_by_all = exists && pos <= min_q_pos;
-        stage_pos[threadIdx.x] = pos;
-    }
-    if (!__syncthreads_or(visible)) return kTileHidden;
-    const TileView view = __syncthreads_and(seen_by_all) ? kTileOpen : kTileMasked;
-    const T *pool = static_cast<const T *>(p.pool);
-#pragma unroll
-    for (int i = 0; i < S::kTileChunks / S::kThreads; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
-        const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
-        const int32_t slot = tile_start + row;
-        const bool ok = slot < p.n_tokens && stage_pos[row] <= max_q_pos;
-        const T *k_src = ok ? paged_key_chunk<T, kHeadDim>(p, p.block_table, kv_head, slot, chunk) : pool;
-        const int dst = swizzled<S::kRowChunks>(row, chunk);
-        cp_async16(stage + dst, k_src, ok);
-        if constexpr (kWithValues) cp_async16(stage + S::kTileChunks + dst, ok ? k_src + p.v_delta : pool, ok);
-    }
-    return view;
-}
-
-// Streams the key tiles [tile_begin, tile_end) of one KV head through MmaShape::kStages shared-memory
-// stages (cp.async, one tile ahead of the compute) and calls on_tile(view, k_tile, tile_pos, tile) for
-// every tile some row of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when
-// kWithValues; tile_pos: its kKeys positions). smem: kStages stages of one K (and V) tile;
-// pos_smem: kStages * kKeys positions. Call from all threads.
-template <typename T, int kHeadDim, int kWarps, bool kWithValues, typename OnTile>
-__device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_begin,
-                                                  int32_t tile_end, int32_t max_q_pos, int32_t min_q_pos, uint4 *smem,
-                                                  int32_t *pos_smem, OnTile &&on_tile) {
-    using S = MmaShape<kHeadDim, kWarps>;
-    constexpr int kStageChunks = kWithValues ? S::kStageChunks : S::kTileChunks;
-    // Tile t goes to stage t % kStages whatever tile_begin is: a split starting at an odd tile starts
-    // at stage 1 (counting from tile_begin held one more register in the attention kernel).
-    const auto load = [&](int32_t tile, int32_t pos) {
-        const int stage = tile % S::kStages;
-        return load_tile<T, kHeadDim, kWarps, kWithValues>(p, kv_head, tile * S::kKeys, pos, max_q_pos, min_q_pos,
-                                                           smem + stage * kStageChunks, pos_smem + stage * S::kKeys);
-    };
-    int32_t pos_ahead = slot_position<kHeadDim>(p, tile_begin);
-    TileView view = tile_begin < tile_end ? load(tile_begin, pos_ahead) : kTileHidden;
-    pos_ahead = slot_position<kHeadDim>(p, tile_begin + 1);
-    cp_async_commit();
-    for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
-        TileView next_view = kTileHidden;
-        if (tile + 1 < tile_end) {
-            next_view = load(tile + 1, pos_ahead);
-            pos_ahead = slot_position<kHeadDim>(p, tile + 2);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        if (view != kTileHidden) {
-            const int stage = tile % S::kStages;
-            on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
-        }
-        view = next_view;
-        __syncthreads(); // the next iteration's copies overwrite this stage
-    }
-}
-
-#endif // CONDUIT_MMA_ONE_BARRIER
 
 // Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
 template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
