@@ -21,6 +21,7 @@ Passes longer than the largest bucket run eagerly: their GPU work outlasts their
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -48,8 +49,8 @@ class _Pieces:
         zeros = partial(torch.zeros, dtype=dtype, device=device)
         self.embeds, self.x, self.hidden = zeros(bucket, c.hidden), zeros(bucket, c.hidden), zeros(bucket, c.hidden)
         self.rope = torch.zeros((3, bucket) if c.rope.sections else (bucket,), dtype=torch.int32, device=device)
-        cos, sin = decoder.rotary.tables(self.rope, dtype)
-        self.tables = (torch.zeros_like(cos), torch.zeros_like(sin))
+        n_freq = c.rope.rotary_dim // 2
+        self.tables = (zeros(bucket, n_freq), zeros(bucket, n_freq))  # cos, sin (``RotaryEmbedding.tables``)
         self.q, self.attn = zeros(bucket, c.n_heads, c.head_dim), zeros(bucket, c.n_heads, c.head_dim)
         self.k, self.v = zeros(bucket, c.n_kv_heads, c.head_dim), zeros(bucket, c.n_kv_heads, c.head_dim)
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -58,6 +59,20 @@ class _Pieces:
         """The pieces in pass order: the first, one between each two layers, the last."""
         n_layers = len(self.decoder.layers)
         return [self.first, *(partial(self.between, layer) for layer in range(1, n_layers)), self.last]
+
+    def run(self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: LayerCapture | None,
+            piece: Callable[[int], None]) -> torch.Tensor:
+        """One pass of n <= bucket tokens (``PrefillGraphs.forward``'s contract): the inputs into the
+        static buffers, then piece(0), each layer's KV write and attention on the first n rows, and
+        piece(layer + 1) after it. ``piece(i)`` runs ``functions()[i]``: a graph replay, or the call."""
+        n = int(embeds.shape[0])
+        self.embeds[:n].copy_(embeds)
+        self.rope[..., :n].copy_(batch.rope_positions)
+        piece(0)
+        for layer, block in enumerate(self.decoder.layers):
+            block.self_attn.attend(layer, seq, self.q[:n], self.k[:n], self.v[:n], batch, capture, out=self.attn[:n])
+            piece(layer + 1)
+        return self.hidden[:n].clone()  # the buffer is the next pass's
 
     def first(self) -> None:
         for table, value in zip(self.tables, self.decoder.rotary.tables(self.rope, self.embeds.dtype)):
@@ -114,15 +129,9 @@ class PrefillGraphs:
         pieces = self._pieces_for(n)
         if pieces is None:
             return self.model.forward(seq, embeds, batch, capture)
-        pieces.embeds[:n].copy_(embeds)
-        pieces.rope[..., :n].copy_(batch.rope_positions)
-        pieces.graphs[0].replay()
-        for layer, block in enumerate(self.decoder.layers):
-            block.self_attn.attend(layer, seq, pieces.q[:n], pieces.k[:n], pieces.v[:n], batch, capture,
-                                   out=pieces.attn[:n])
-            pieces.graphs[layer + 1].replay()
+        hidden = pieces.run(seq, embeds, batch, capture, lambda index: pieces.graphs[index].replay())
         self.replayed_passes += 1
-        return pieces.hidden[:n].clone()  # the buffer is the next pass's
+        return hidden
 
     def close(self) -> None:
         """Drops every graph and buffer."""

@@ -8,7 +8,7 @@ import torch
 from conduit_rt.bench import synthetic
 from conduit_rt.models.base import ForwardBatch
 from conduit_rt.models.random_init import random_llava
-from conduit_rt.prefill_graph import PrefillGraphs
+from conduit_rt.prefill_graph import PrefillGraphs, _Pieces
 
 
 class QRecorder:
@@ -25,6 +25,29 @@ class QRecorder:
 def _batch(positions: list[int], device: str) -> ForwardBatch:
     index = torch.tensor(positions, dtype=torch.int32, device=device)
     return ForwardBatch(positions=index, rope_positions=index.clone(), slots=positions)
+
+
+def test_pieces_called_in_pass_order_equal_the_model_forward():
+    """What the graphs record, run as plain calls on the CPU: the cut at the attentions, the padded
+    static buffers and the RoPE tables give model.forward's hidden states and KV (float32)."""
+    text, vision = synthetic.llava_configs("tiny")
+    model = random_llava(text, vision, "cpu", torch.float32, seed=3)
+    arena = model.new_arena(8 << 20)
+    embeds = torch.randn(40, text.hidden_size)
+    eager_seq, pieces_seq = arena.new_sequence(), arena.new_sequence()
+    for seq in (eager_seq, pieces_seq):
+        seq.append(range(40))
+        model.forward(seq, embeds[:20], ForwardBatch.contiguous(0, 20, "cpu"))
+    pieces = _Pieces(model.language_model, 16, torch.float32, torch.device("cpu"))
+    functions = pieces.functions()
+    for positions in (list(range(20, 32)), [21, 25, 33, 39]):  # 12 and 4 rows of a 16-row bucket
+        rows = torch.tensor(positions)
+        want = model.forward(eager_seq, embeds[rows], _batch(positions, "cpu"))
+        got = pieces.run(pieces_seq, embeds[rows], _batch(positions, "cpu"), None, lambda i: functions[i]())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for layer in range(text.num_hidden_layers):
+            for got_kv, want_kv in zip(pieces_seq.read_kv(layer), eager_seq.read_kv(layer)):
+                torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_graphs_need_cuda():
