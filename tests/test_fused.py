@@ -86,8 +86,8 @@ def test_mrope_rotation_matches_the_torch_chain(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rotary_tables_follow_in_place_position_writes(device):
-    """RotaryEmbedding reuses one forward pass's cos/sin tables across layers, and recomputes them
-    when the positions tensor is written in place (a CUDA graph's static inputs are)."""
+    """RotaryEmbedding.apply follows the positions tensor when it is written in place (a CUDA
+    graph's static inputs are): the same rotation twice, then the one at the new positions."""
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=64), device)
     x = torch.randn(1, 4, 64, device=device)
     positions = torch.tensor([7], dtype=torch.int32, device=device)

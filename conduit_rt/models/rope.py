@@ -128,18 +128,14 @@ def apply_rope(
 class RotaryEmbedding:
     """One model's RoPE on its device: rotates q and configures the arena to rotate K alike.
 
-    A forward pass computes its cos/sin tables once (``tables``) and hands them to every layer.
-    ``apply`` rotates on its own, caching the tables of the last positions tensor it saw at an
-    unchanged version (``Tensor._version`` counts in-place writes, such as a CUDA graph's static
-    inputs being refilled).
+    A forward pass computes its cos/sin tables once (``tables``) and hands them to every layer;
+    ``apply`` rotates on its own.
     """
 
     def __init__(self, rope: RopeConfig, device: torch.device | str) -> None:
         self.config = rope
         inv_freq, self.attention_scaling = inverse_frequencies(rope)
         self.inv_freq = inv_freq.to(device)  # float32 [rotary_dim // 2]
-        self._tables_of: tuple | None = None  # (positions, its version, dtype) the cached tables are of
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, n_freq] in ``dtype`` of positions int32 [n] (or [3, n] with M-RoPE): what
@@ -148,14 +144,9 @@ class RotaryEmbedding:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] rotated at positions int32 [n] (or [3, n] with M-RoPE); one kernel
-        on CUDA (``fused.rotate``)."""
-        if positions.is_inference():  # no version counter to key a cache on: compute the tables each call
-            return fused.rotate(x, *self.tables(positions, x.dtype))
-        cached = self._tables_of
-        if cached is None or cached[0] is not positions or cached[1] != positions._version or cached[2] != x.dtype:
-            self._tables = self.tables(positions, x.dtype)
-            self._tables_of = (positions, positions._version, x.dtype)
-        return fused.rotate(x, *self._tables)
+        on CUDA (``fused.rotate``). The tables are computed for this call: a forward pass takes
+        ``tables`` once and hands them to every layer instead."""
+        return fused.rotate(x, *self.tables(positions, x.dtype))
 
     def configure(self, arena) -> None:
         """Sets the arena's RoPE (``KVArena.set_rope``) to this one, so that written K match rotated q."""
