@@ -69,35 +69,18 @@ template <int kHeadDim> struct DecodeShape {
 // into `stage`, and records in `visible` which of its slots the query sees: slots before `end`
 // whose position (when the layer has positions) is at most q_position. Invisible slots are
 // zero-filled: their K/V may be garbage or NaN, and 0 * NaN in P V would poison the output.
-// The block-table (and position) reads of all the thread's chunks come first: cp.async's memory
-// clobber would otherwise keep each read behind the previous copy, one cache round trip per chunk.
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_decode_tile(const AttentionParams &p, const int32_t *table, int32_t kv_head,
                                                  int32_t tile_start, int32_t end, int32_t q_position, uint4 *stage,
                                                  bool *visible) {
     using S = DecodeShape<kHeadDim>;
-    constexpr int kChunksPerThread = S::kTileChunks / S::kThreads;
-    const T *pool = static_cast<const T *>(p.pool);
-    const T *k_src[kChunksPerThread];
-    bool seen[kChunksPerThread];
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
-        const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
-        const int32_t slot = tile_start + row;
-        seen[i] = slot < end && (!p.positions || p.positions[slot] <= q_position);
-        k_src[i] = pool;
-        if (seen[i]) k_src[i] = paged_key_chunk<T, kHeadDim>(p, table, kv_head, slot, chunk);
-    }
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
-        const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
-        const int dst = swizzled<S::kRowChunks>(row, chunk);
-        cp_async16(stage + dst, k_src[i], seen[i]);
-        cp_async16(stage + S::kTileChunks + dst, seen[i] ? k_src[i] + p.v_delta : pool, seen[i]);
-        if (chunk == 0) visible[row] = seen[i]; // read after the barrier that publishes the stage
-    }
+    copy_key_tile<T, kHeadDim, S::kThreads, S::kTileKeys, true>(
+        p, table, kv_head, tile_start, stage,
+        [&](int32_t row) {
+            const int32_t slot = tile_start + row;
+            return slot < end && (!p.positions || p.positions[slot] <= q_position);
+        },
+        [&](int32_t row, bool seen) { visible[row] = seen; }); // read after the barrier that publishes the stage
 }
 
 // Q rows of the CTA as A fragments (load_q): fragment row r is head r of the group, rows at or past

@@ -85,34 +85,49 @@ __device__ __forceinline__ TileSlots tile_slots(const AttentionParams &p, int32_
     return slots;
 }
 
-// Issues the cp.async copies of the K rows of the tile at tile_start (and of its V rows right after
-// them when kWithValues) into `stage`, zero-filling the rows of slots not in slots.seen (past the
-// end, or visible to no row: their K/V may be garbage or NaN). The block-table reads of all the
-// thread's chunks come first: cp.async's memory clobber would otherwise hold each read behind the
-// previous copy, one cache round trip per chunk.
-template <typename T, int kHeadDim, int kWarps, bool kWithValues>
-__device__ __forceinline__ void issue_tile_copies(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
-                                                  const TileSlots &slots, uint4 *stage) {
-    using S = MmaShape<kHeadDim, kWarps>;
-    constexpr int kChunksPerThread = S::kTileChunks / S::kThreads;
+// Issues the cp.async copies of one key tile of kKeys slots from tile_start (K rows of kv_head
+// through `table`, and its V rows kKeys * kHeadDim / 8 chunks further when kWithValues; 16-byte
+// chunks, swizzled) into `stage`, kThreads threads sharing the chunks. Rows with seen_row(row) false
+// are zero-filled (past the end, or seen by no query: their K/V may be garbage or NaN, and 0 * NaN
+// would poison P V); on_row(row, seen) is called once per row, by the thread copying its first
+// chunk. The block-table reads (and seen_row's) of all the thread's chunks come first: cp.async's
+// memory clobber would otherwise hold each read behind the previous copy, one cache round trip per
+// chunk. Shared by the tensor-core attention, its statistics and the tensor-core decode.
+template <typename T, int kHeadDim, int kThreads, int kKeys, bool kWithValues, typename SeenRow, typename OnRow>
+__device__ __forceinline__ void copy_key_tile(const AttentionParams &p, const int32_t *table, int32_t kv_head,
+                                              int32_t tile_start, uint4 *stage, SeenRow &&seen_row, OnRow &&on_row) {
+    constexpr int kRowChunks = kHeadDim / 8, kTileChunks = kKeys * kRowChunks;
+    constexpr int kChunksPerThread = kTileChunks / kThreads;
     const T *pool = static_cast<const T *>(p.pool);
     const T *k_src[kChunksPerThread];
     bool seen[kChunksPerThread];
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
-        const int32_t row = idx / S::kRowChunks, chunk = idx % S::kRowChunks;
-        seen[i] = ((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u;
-        k_src[i] = seen[i] ? paged_key_chunk<T, kHeadDim>(p, p.block_table, kv_head, tile_start + row, chunk) : pool;
+        const int32_t idx = int32_t(threadIdx.x) + i * kThreads;
+        const int32_t row = idx / kRowChunks, chunk = idx % kRowChunks;
+        seen[i] = seen_row(row);
+        k_src[i] = seen[i] ? paged_key_chunk<T, kHeadDim>(p, table, kv_head, tile_start + row, chunk) : pool;
     }
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * S::kThreads;
-        const int dst = swizzled<S::kRowChunks>(idx / S::kRowChunks, idx % S::kRowChunks);
+        const int32_t idx = int32_t(threadIdx.x) + i * kThreads;
+        const int32_t row = idx / kRowChunks, chunk = idx % kRowChunks;
+        const int dst = swizzled<kRowChunks>(row, chunk);
         cp_async16(stage + dst, k_src[i], seen[i]);
-        if constexpr (kWithValues)
-            cp_async16(stage + S::kTileChunks + dst, seen[i] ? k_src[i] + p.v_delta : pool, seen[i]);
+        if constexpr (kWithValues) cp_async16(stage + kTileChunks + dst, seen[i] ? k_src[i] + p.v_delta : pool, seen[i]);
+        if (chunk == 0) on_row(row, seen[i]);
     }
+}
+
+// The copies of a tile of the tensor-core attention or statistics: the rows slots.seen marks.
+template <typename T, int kHeadDim, int kWarps, bool kWithValues>
+__device__ __forceinline__ void issue_tile_copies(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
+                                                  const TileSlots &slots, uint4 *stage) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    copy_key_tile<T, kHeadDim, S::kThreads, S::kKeys, kWithValues>(
+        p, p.block_table, kv_head, tile_start, stage,
+        [&](int32_t row) { return bool(((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u); },
+        [](int32_t, bool) {});
 }
 
 // Streams the key tiles [tile_begin, tile_end) of one KV head through a ring of MmaShape::kStages
