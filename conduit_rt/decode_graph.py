@@ -12,7 +12,8 @@ launches a layer) takes longer than that. ``GraphedDecoder`` records the step on
   each replay; the logits are a static output, valid until the next step.
 
 Per token: ``DecodeStep.prepare`` (host: append the token's slot, patch the step's device tables),
-fill the inputs, replay. Before the first capture, one eager step over a scratch one-token sequence
+fill the inputs, replay. The token may be a device tensor (the sampler's output): nothing here waits
+for the GPU, so the Runtime enqueues step i + 1 while step i runs. Before the first capture, one eager step over a scratch one-token sequence
 warms cuBLAS and the caching allocator (capture must not be their first use), so every real step
 is a replay. A sequence longer than the step's capacity gets a larger step and a new capture.
 """
@@ -49,11 +50,14 @@ class GraphedDecoder:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
         self._capture_failed = False
+        self.steps = 0    # calls of step
         self.replays = 0  # steps served by a replay (the rest ran eagerly)
 
-    def step(self, seq: Sequence, token: int, position: int, rope_position: int) -> torch.Tensor:
-        """Appends ``token`` at causal ``position`` (RoPE position ``rope_position``) to ``seq`` and
-        returns the next-token logits: float32 [vocab], valid until the next call."""
+    def step(self, seq: Sequence, token: torch.Tensor | int, position: int, rope_position: int) -> torch.Tensor:
+        """Appends ``token`` (an id, or an int64 scalar tensor on the device) at causal ``position`` (RoPE
+        position ``rope_position``) to ``seq`` and returns the next-token logits: float32 [vocab], valid
+        until the next call."""
+        self.steps += 1
         longest = seq.max_tokens()
         if longest + 1 > self.capacity:
             self._grow(longest + 1)
@@ -78,8 +82,8 @@ class GraphedDecoder:
         batch = ForwardBatch(positions=self._position, rope_positions=self._rope)
         return self.model.logits(self.model.forward(self._step, embeds, batch))[0]
 
-    def _fill_inputs(self, token: int, position: int, rope_position: int) -> None:
-        self._token.fill_(token)
+    def _fill_inputs(self, token: torch.Tensor | int, position: int, rope_position: int) -> None:
+        self._token.fill_(token)  # from a device scalar: a device-side copy, no host sync
         self._position.fill_(position)
         self._rope.fill_(rope_position)
 

@@ -38,7 +38,7 @@ from .compress import CompressionPolicy, CompressOptions, PromptStats, Recompres
 from .refresh import RefreshOptions, RefreshPolicy, get_policy
 from .results import GenerationResult, GenerationStats, TextStream
 from .reuse import ReusePass, RestoredImage
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenReadback
 
 logger = logging.getLogger(__name__)
 
@@ -423,39 +423,34 @@ class Runtime:
     def _decode(self, seq, logits: torch.Tensor, request: _Request, sampling: SamplingParams, return_logits: bool,
                 stats: GenerationStats, start: float, holder: list,
                 recompress: Recompressor | None = None) -> Iterator[str]:
-        sampler = Sampler(sampling, self.device)
         detok = self.assets.tokenizer.detokenizer()
         eos = self.assets.eos_token_ids
         tokens: list[int] = []
-        step_logits: list[torch.Tensor] = []
+        step_logits: list[torch.Tensor] | None = [] if return_logits else None
         text, emitted = "", 0
         finish = "length"
         hold_back = max((len(s) for s in sampling.stop), default=1) - 1
         decode_start = None
-        for step in range(sampling.max_tokens):
-            if return_logits:
-                step_logits.append(logits.float().cpu())
-            token = int(sampler(logits))
-            if step == 0:
-                stats.ttft_s = time.perf_counter() - start
-                decode_start = time.perf_counter()
-            if token in eos:
-                finish = "eos"
-                break
-            tokens.append(token)
-            text += detok.push(token)
-            cut = _find_stop(text, sampling.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-                break
-            if len(text) - hold_back > emitted:
-                yield text[emitted: len(text) - hold_back]
-                emitted = len(text) - hold_back
-            if step + 1 < sampling.max_tokens:
-                position = len(request.prompt.token_ids) + step
-                logits = self._step(seq, token, position, request.next_rope + step, recompress)
-                if recompress is not None:
-                    recompress.after_step(position)
+        sampled = self._sampled_tokens(seq, logits, request, sampling, step_logits, recompress)
+        try:
+            for token in sampled:
+                if decode_start is None:
+                    stats.ttft_s = time.perf_counter() - start
+                    decode_start = time.perf_counter()
+                if token in eos:
+                    finish = "eos"
+                    break
+                tokens.append(token)
+                text += detok.push(token)
+                cut = _find_stop(text, sampling.stop)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                if len(text) - hold_back > emitted:
+                    yield text[emitted: len(text) - hold_back]
+                    emitted = len(text) - hold_back
+        finally:
+            sampled.close()  # undoes a step run ahead for a token that ended the answer
         if finish != "stop":  # release characters the detokenizer held back (an unfinished byte run)
             text += detok.flush()
             cut = _find_stop(text, sampling.stop)
@@ -471,17 +466,57 @@ class Runtime:
         stats.finish_reason = finish
         stats.kv_bytes = seq.nbytes
         holder.append(GenerationResult(text=text, tokens=tokens, stats=stats,
-                                       logits=torch.stack(step_logits) if return_logits and step_logits else None))
+                                       logits=torch.stack(step_logits) if step_logits else None))
 
-    def _step(self, seq, token: int, position: int, rope_position: int, capture=None) -> torch.Tensor:
-        """One decode step: the token at causal ``position`` -> next-token logits [vocab]. Replayed
-        from a CUDA graph when there is one and no layer observer needs the eager path."""
+    def _sampled_tokens(self, seq, logits: torch.Tensor, request: _Request, sampling: SamplingParams,
+                        step_logits: list[torch.Tensor] | None, recompress: Recompressor | None) -> Iterator[int]:
+        """Samples up to ``max_tokens`` tokens from ``logits`` (the prompt's last row) and the decode
+        steps that follow, yielding each token id as the caller accepts them one by one.
+
+        From the second token on, the step that consumes a token is enqueued before the token reaches
+        the host (the sampled id goes to the step on the device; only the host copy is waited for), so
+        the GPU runs step i while the caller detokenizes and streams token i: the host's share of a
+        step (preparing it, filling its inputs, detokenizing) no longer adds to the GPU's. A token the
+        caller stops at (EOS, a stop string) then has a step it should not have had: closing the
+        generator truncates it from the sequence, which ends as it would have without running ahead.
+        The first token goes out before any step is enqueued: time to first token never waits for one
+        (nor for a first step's graph capture). ``step_logits`` collects each step's logits (CPU).
+        """
+        sampler = Sampler(sampling, self.device)
+        readback = TokenReadback(self.device)
+        first_position = len(request.prompt.token_ids)
+        ahead = None  # position of a step enqueued for a token the caller has not accepted yet
+        try:
+            for i in range(sampling.max_tokens):
+                if step_logits is not None:
+                    step_logits.append(logits.float().cpu())
+                token = sampler(logits)
+                readback.start(token)
+                position, rope_position = first_position + i, request.next_rope + i
+                more = i + 1 < sampling.max_tokens
+                if more and i > 0:
+                    logits = self._step(seq, token, position, rope_position, recompress)
+                    ahead = position
+                yield readback.wait()
+                ahead = None
+                if more and i == 0:
+                    logits = self._step(seq, token, position, rope_position, recompress)
+                if more and recompress is not None:
+                    recompress.after_step(position)
+        finally:
+            if ahead is not None:
+                seq.truncate(ahead)
+
+    def _step(self, seq, token: torch.Tensor, position: int, rope_position: int, capture=None) -> torch.Tensor:
+        """One decode step: the token (int64 scalar on the device) at causal ``position`` -> next-token
+        logits [vocab]. Replayed from a CUDA graph when there is one and no layer observer needs the
+        eager path."""
         if self.graphed_decoder is not None and capture is None:
             return self.graphed_decoder.step(seq, token, position, rope_position)
         # full_ writes the scalars on the device (no blocking host-to-device copy)
         positions = torch.full((1,), position, dtype=torch.int32, device=self.device)
         seq.append([position])
-        embeds = self.model.embed_tokens(torch.full((1,), token, dtype=torch.long, device=self.device))
+        embeds = self.model.embed_tokens(token.reshape(1))
         rows = (3, 1) if self.model.config.rope.sections else (1,)
         rope = torch.full(rows, rope_position, dtype=torch.int32, device=self.device)
         hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope), capture)

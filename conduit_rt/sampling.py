@@ -65,3 +65,29 @@ class Sampler:
             choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
             return order[choice[0]]
         return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+class TokenReadback:
+    """Brings sampled token ids to the host without waiting for work enqueued after them.
+
+    ``int(token)`` on a CUDA tensor waits for the whole stream, so the decode loop could not enqueue
+    the next step before reading a token. ``start`` copies the token into pinned host memory and
+    records an event; ``wait`` waits for that event only, so the GPU can already run a step enqueued
+    between the two calls. One token at a time: ``start`` again only after ``wait`` returned.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host = torch.empty((), dtype=torch.long, pin_memory=self._cuda)
+        self._event = torch.cuda.Event() if self._cuda else None
+
+    def start(self, token: torch.Tensor) -> None:
+        """token: int64 scalar tensor on the device."""
+        self._host.copy_(token, non_blocking=self._cuda)
+        if self._event is not None:
+            self._event.record()
+
+    def wait(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host)

@@ -119,6 +119,40 @@ def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
     assert stats.n_seqs == 0 and stats.n_blocks_used == stats.n_blocks_image  # nothing leaked
 
 
+@pytest.mark.parametrize("finish", ["length", "stop", "eos"])
+def test_a_session_keeps_what_it_decoded_however_the_answer_ends(runtime, monkeypatch, finish):
+    """The decode loop runs each step before its token reaches the host; a token that ends the answer
+    (EOS, a stop string) had a step it should not have had, which is undone: the session's sequence
+    holds the prompt and the tokens fed back, and the next turn equals a fresh request."""
+    import dataclasses
+
+    question = [{"type": "image", "image": images(1, seed=2)[0]}, {"type": "text", "text": "What is this?"}]
+    free = runtime.generate([{"role": "user", "content": question}], max_tokens=8)
+    kwargs: dict = {"max_tokens": 8}
+    if finish == "eos":  # the token at step 4 becomes an end-of-sequence token (not seen before it)
+        if free.tokens[4] in free.tokens[:4]:
+            pytest.skip("the random model repeated its fifth token earlier")
+        monkeypatch.setattr(runtime, "assets", dataclasses.replace(runtime.assets, eos_token_ids=frozenset({free.tokens[4]})))
+    if finish == "stop":
+        stop = runtime.assets.tokenizer.decode(free.tokens[4:5])
+        if not stop.strip() or stop in runtime.assets.tokenizer.decode(free.tokens[:4]):
+            pytest.skip("the random model's fifth token cannot be a stop string")
+        kwargs["stop"] = [stop]
+    session = runtime.chat()
+    first = session.send(question, **kwargs)
+    assert first.stats.finish_reason == finish
+    fed_back = {"length": 7, "stop": 4, "eos": 4}[finish]  # tokens whose step ran (the last sampled one never)
+    assert session._turn.seq.n_tokens(0) == first.stats.prompt_tokens + fed_back
+    second = session.send("And the colours?", max_tokens=6, return_logits=True)
+    whole = runtime.generate(session.history[:-1], max_tokens=6, return_logits=True)
+    assert second.tokens == whole.tokens
+    torch.testing.assert_close(second.logits, whole.logits, atol=1e-4, rtol=1e-4)
+    session.close()
+    runtime.prefix_cache.clear()
+    stats = runtime.arena.stats()
+    assert stats.n_seqs == 0 and stats.n_blocks_used == stats.n_blocks_image  # nothing leaked
+
+
 def test_sampling_with_a_seed_is_repeatable(runtime):
     messages = [user("Tell me more.", images(1))]
     a = runtime.generate(messages, max_tokens=10, temperature=0.8, top_p=0.9, seed=5)
@@ -170,16 +204,15 @@ def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, c
     if capacity is not None:
         graphed.graphed_decoder.close()
         graphed.graphed_decoder = GraphedDecoder(graphed.model, graphed.arena, capacity=capacity)
-    steps = 0
     for _ in range(2):  # the second request reuses the captured graph with another sequence
         want = eager.generate(messages, max_tokens=max_tokens, return_logits=True)
         got = graphed.generate(messages, max_tokens=max_tokens, return_logits=True)
         assert got.tokens == want.tokens
         scale = want.logits.abs().max()
         assert (got.logits - want.logits).abs().max() <= 1e-4 * scale
-        steps += len(got.tokens) - (got.stats.finish_reason == "length")  # forward steps after the prefill
         messages = messages + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "Go on."}]
-    assert steps > 10 and graphed.graphed_decoder.replays == steps  # every step replayed the graph
+    decoder = graphed.graphed_decoder
+    assert decoder.steps > 10 and decoder.replays == decoder.steps  # every step replayed the graph
     assert graphed.prefill_graphs.replayed_passes >= 2  # the prompts' passes replayed their dense work
     assert eager.graphed_decoder is None
 
