@@ -3,7 +3,9 @@
 Two clocks, chosen per measurement:
 
 - ``Timer.device_time(fn)``: the device time of the work ``fn`` enqueues (kernels). On CUDA, each
-  repeat writes a 256 MiB buffer (so no input stays in L2 from the repeat before), then holds the
+  repeat reads a 256 MiB buffer (so no input stays in L2 from the repeat before, and what L2 holds
+  is clean: a flush by writing would leave ~L2-size of dirty lines whose write-back the timed
+  kernels pay, +9 us on a 32K-key decode on an H200, cuDNN's alike), then holds the
   GPU in a spin kernel long enough for the host to enqueue all of ``fn``'s launches, and times
   ``fn`` between two CUDA events: launch gaps and host overhead stay out, as in
   ``triton.testing.do_bench``. ``fn`` must not synchronize.
@@ -90,8 +92,8 @@ class Timer:
         spin_cycles = int(max(3 * host_s, 50e-6) * SPIN_CLOCK_HZ)
         n = self.repeat if repeat is None else repeat
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for i, (begin, end) in enumerate(events):
-            self._flush_l2(i)
+        for begin, end in events:
+            self._flush_l2()
             _spin(spin_cycles)
             begin.record()
             fn()
@@ -110,10 +112,11 @@ class Timer:
             self.sync()
         return statistics.median(samples)
 
-    def _flush_l2(self, i: int) -> None:
+    def _flush_l2(self) -> None:
+        """Replaces L2's contents with clean lines of a buffer larger than it (see the module docstring)."""
         if self._flush is None:
-            self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=self.device)
-        self._flush.fill_(1 + i % 250)
+            self._flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=self.device)
+        self._flush.sum()
 
 
 def _spin(cycles: int) -> None:
