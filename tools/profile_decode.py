@@ -5,7 +5,8 @@ bench``, a ``--context``-token prompt prefilled through the arena, then
 - eager steps under torch.profiler: kernels per step and the top kernels by device time;
 - the graph-replayed step (``GraphedDecoder``): device time per replay (CUDA events around replays
   only) and wall time per step (prepare + input fills + replay + a host sync, as the Runtime's loop);
-- the bound: decoder weights + KV bytes read per token over the copy bandwidth.
+- the bound: decoder weights + KV bytes read per token over the copy bandwidth;
+- whether the Triton kernels ran with programmatic dependent launch (``pdl``; ``CONDUIT_PDL=0``: off).
 
     python3 tools/profile_decode.py [--context 4096] [--steps 32] [--out profile.json]
 """
@@ -20,6 +21,7 @@ import torch
 from conduit_rt.bench import ceilings, synthetic
 from conduit_rt.bench.timing import Timer
 from conduit_rt.decode_graph import GraphedDecoder
+from conduit_rt.models import fused
 from conduit_rt.models.base import ForwardBatch
 from conduit_rt.models.random_init import random_llava
 
@@ -98,7 +100,8 @@ def main() -> None:
     result = {"context": n, "eager_kernels_per_step": launches, "top_kernels": top,
               "graph_replay_device_s": replay_s, "graph_step_wall_s": wall,
               "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-              "copy_bytes_per_s": copy, "bound_s": (weight_bytes + kv_bytes) / copy}
+              "copy_bytes_per_s": copy, "bound_s": (weight_bytes + kv_bytes) / copy,
+              "pdl": fused._triton() is not None and fused._triton().pdl_enabled(torch.cuda.current_device())}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}, indent=1))

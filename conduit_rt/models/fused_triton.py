@@ -6,25 +6,83 @@ torch's bit for bit up to the float32 reduction order and the exp of SiLU (libde
 expf); divisions are IEEE-rounded (div_rn), as CUDA's own. They compile without fused multiply-adds,
 which torch's separate kernels cannot form. RoPE takes its cos/sin tables from torch
 (``rope.rope_tables``) rather than evaluating them.
+
+Programmatic dependent launch (PDL): on Hopper and later (compute capability >= 9.0, with a Triton
+that has grid dependency control) every kernel here is launched with ``launch_pdl=True`` and
+compiled with ``PDL=True``, so that it may start while the kernel before it on the stream drains.
+Before its ``gdc_wait()`` a kernel reads only what no kernel writes during a forward pass (the
+GEMV's first weight tile, the norm weight) and writes nothing; after it, everything the stream's
+earlier kernels wrote is visible. Each kernel waits in every program, so the kernel after it, whose
+own wait returns only once this one completed, also sees everything before: chains stay ordered.
+``gdc_launch_dependents()`` right after the wait lets the next kernel be scheduled (its programs
+then take their weight tiles while this one runs). Env ``CONDUIT_PDL=0`` turns it off (read once,
+at the first launch on a device); with ``PDL=False`` the kernels compile exactly as without it.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice  # the accurate exp (tl.exp may use the approximate ex2)
 
+try:  # grid dependency control (not in older Tritons: there PDL stays off)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
 
 def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+def _triton_has_pdl() -> bool:
+    """Whether this Triton has ``gdc_wait`` and its CUDA launcher takes ``launch_pdl``."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return gdc_wait is not None and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+@functools.cache
+def pdl_enabled(device_index: int) -> bool:
+    """Whether kernels on CUDA device ``device_index`` launch with PDL: capability >= 9.0, a Triton
+    that supports it, not the Triton interpreter, and ``CONDUIT_PDL`` not "0". Decided once a device."""
+    if os.environ.get("CONDUIT_PDL") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _triton_has_pdl() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _pdl_options(t: torch.Tensor) -> dict:
+    """The launch keywords of a kernel whose operands are on t's device: the ``PDL`` constexpr and,
+    when on, ``launch_pdl`` (never for CPU tensors, which only the Triton interpreter runs)."""
+    if t.is_cuda and pdl_enabled(t.device.index):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait for the kernels before on the stream (their writes are visible after it),
+    then let the next kernel be scheduled. Nothing without."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PDL:  # the norm weight is no kernel's output: read it while the previous kernel drains
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    _pdl_wait(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded to the dtype as torch's add
         delta = tl.load(delta_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -33,7 +91,8 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps,
     h = x.to(tl.float32)
     inv_rms = libdevice.rsqrt(libdevice.div_rn(tl.sum(h * h, axis=0), n_cols.to(tl.float32)) + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if not PDL:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -48,16 +107,17 @@ def rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, total, out, hidden, eps,
                                   HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block),
-                                  enable_fp_fusion=False)
+                                  enable_fp_fusion=False, **_pdl_options(x))
     return total, out
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row r of out [rows, width] from row r of gate_up [rows, 2 width] (gate, then up)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
+    _pdl_wait(PDL)
     g = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
     silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -72,16 +132,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = 2048
         _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block, num_warps=8,
-                                                             enable_fp_fusion=False)
+                                                             enable_fp_fusion=False, **_pdl_options(gate_up))
     return out
 
 
 @triton.jit
 def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, head_dim, n_freq,
-                   BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     f = tl.arange(0, BLOCK_F)
     f_mask = f < n_freq
+    _pdl_wait(PDL)  # the tables are a forward pass's: computed by the kernels before
     cos = tl.load(cos_ptr + token * n_freq + f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + token * n_freq + f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -112,24 +173,34 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         block_h, block_f = triton.next_power_of_2(heads), triton.next_power_of_2(n_freq)
         _rotate_kernel[(n,)](x, cos, sin, out, heads, head_dim, n_freq, BLOCK_H=block_h, BLOCK_F=block_f,
                              BLOCK_R=triton.next_power_of_2(rest) if rest > 0 else 0,
-                             num_warps=_warps(block_h * block_f), enable_fp_fusion=False)
+                             num_warps=_warps(block_h * block_f), enable_fp_fusion=False, **_pdl_options(x))
     return out
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_out, n_in,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[r] = w[r] . x (+ bias[r]) for BLOCK_N rows r, the sum in float32.
 
     A program holds a [BLOCK_N, BLOCK_K] tile of products; with BLOCK_K = 4096 a row of a 7B
     model's projection is one round of loads, all in flight at once. The weight is read once and
-    never again in the step: evict_first keeps it from pushing the activations out of L2.
+    never again in the step: evict_first keeps it from pushing the activations out of L2. With PDL
+    the first K-block of the weight is loaded before the wait for x (the same products, in the same
+    order: the results are those without PDL, bit for bit).
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * n_in
-    for start in range(0, n_in, BLOCK_K):
+    if PDL:  # the first K-block: its weight before the wait (no kernel writes it), x after
+        cols = tl.arange(0, BLOCK_K)
+        col_mask = cols < n_in
+        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        _pdl_wait(PDL)
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * x
+    for start in range(BLOCK_K if PDL else 0, n_in, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         col_mask = cols < n_in
         x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -155,5 +226,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](x, weight, bias if bias is not None else weight, out, n_out, n_in,
                                                   HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  num_warps=num_warps)
+                                                  num_warps=num_warps, **_pdl_options(x))
     return out
