@@ -128,50 +128,57 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kRowTiles>::kThread
     const int32_t tile_begin = min(n_tiles, split * tiles_per_split);
     const int32_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
-        const uint4 *v_tile = k_tile + S::kTileChunks;
         const int32_t tile_keys = min(S::kKeys, p.n_tokens - tile * S::kKeys);
+        // S of kScoreKeys keys at a time (the whole tile, or its halves at 32 rows and head_dim 128).
+#pragma unroll 1
+        for (int part = 0; part < S::kKeys / S::kScoreKeys; ++part) {
+            const int32_t part_key = part * S::kScoreKeys;
+            const uint4 *k_part = k_tile + part_key * S::kRowChunks; // the swizzle repeats every 8 rows
+            const uint4 *v_part = k_part + S::kTileChunks;
 
-        // S = Q K^T; masked (unless every slot is visible to every row) and scaled to base 2.
-        float s[kRowTiles][S::kKeyTiles][4], ref[kRowTiles][2];
-        tile_scores<T, kHeadDim, kRowTiles>(q_frag, k_tile, s);
+            // S = Q K^T; masked (unless every slot is visible to every row) and scaled to base 2.
+            float s[kRowTiles][S::kScoreTiles][4], ref[kRowTiles][2];
+            tile_scores<T, kHeadDim, kRowTiles, S::kScoreTiles>(q_frag, k_part, s);
 #pragma unroll
-        for (int i = 0; i < kRowTiles; ++i) {
-            float tile_max[2], alpha[2];
-            scale_and_mask<S::kKeyTiles>(s[i], view, rows[i], tile_pos, tile_keys, p.scale_log2, tile_max);
-            rescale_running(tile_max, run_max[i], run_sum[i], ref[i], alpha);
+            for (int i = 0; i < kRowTiles; ++i) {
+                float tile_max[2], alpha[2];
+                scale_and_mask<S::kScoreTiles>(s[i], view, rows[i], tile_pos + part_key, tile_keys - part_key,
+                                               p.scale_log2, tile_max);
+                rescale_running(tile_max, run_max[i], run_sum[i], ref[i], alpha);
 #pragma unroll
-            for (int n = 0; n < S::kDimTiles; ++n)
+                for (int n = 0; n < S::kDimTiles; ++n)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][n][j] *= alpha[j / 2];
-        }
+                    for (int j = 0; j < 4; ++j) acc[i][n][j] *= alpha[j / 2];
+            }
 
-        // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1; each V
-        // fragment feeds every row tile.
+            // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1; each V
+            // fragment feeds every row tile.
 #pragma unroll
-        for (int k = 0; k < S::kKeyTiles / 2; ++k) {
-            uint32_t a[kRowTiles][4];
+            for (int k = 0; k < S::kScoreTiles / 2; ++k) {
+                uint32_t a[kRowTiles][4];
 #pragma unroll
-            for (int i = 0; i < kRowTiles; ++i)
+                for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float *sv = s[i][2 * k + h];
+                    for (int h = 0; h < 2; ++h) {
+                        float *sv = s[i][2 * k + h];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        sv[j] = fast_exp2(sv[j] - ref[i][j / 2]);
-                        run_sum[i][j / 2] += sv[j];
+                        for (int j = 0; j < 4; ++j) {
+                            sv[j] = fast_exp2(sv[j] - ref[i][j / 2]);
+                            run_sum[i][j / 2] += sv[j];
+                        }
+                        a[i][2 * h] = pack2<T>(sv[0], sv[1]);
+                        a[i][2 * h + 1] = pack2<T>(sv[2], sv[3]);
                     }
-                    a[i][2 * h] = pack2<T>(sv[0], sv[1]);
-                    a[i][2 * h + 1] = pack2<T>(sv[2], sv[3]);
-                }
 #pragma unroll
-            for (int n = 0; n < S::kDimTiles / 2; ++n) {
-                uint32_t b[4];
-                const int key = 16 * k + ((lane / 8) % 2) * 8 + lane % 8;
-                ldmatrix_x4_trans(b, v_tile + swizzled<S::kRowChunks>(key, 2 * n + lane / 16));
+                for (int n = 0; n < S::kDimTiles / 2; ++n) {
+                    uint32_t b[4];
+                    const int key = 16 * k + ((lane / 8) % 2) * 8 + lane % 8;
+                    ldmatrix_x4_trans(b, v_part + swizzled<S::kRowChunks>(key, 2 * n + lane / 16));
 #pragma unroll
-                for (int i = 0; i < kRowTiles; ++i) {
-                    mma_m16n8k16<T>(acc[i][2 * n], a[i], b[0], b[1]);
-                    mma_m16n8k16<T>(acc[i][2 * n + 1], a[i], b[2], b[3]);
+                    for (int i = 0; i < kRowTiles; ++i) {
+                        mma_m16n8k16<T>(acc[i][2 * n], a[i], b[0], b[1]);
+                        mma_m16n8k16<T>(acc[i][2 * n + 1], a[i], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -179,7 +186,12 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kRowTiles>::kThread
     for_each_key_tile<T, kHeadDim, kWarps, true, kRowTiles>(p, kv_head, tile_begin, tile_end, max_q_pos, min_q_pos,
                                                              mma_smem, pos_smem, on_tile);
 #pragma unroll
-    for (int i = 0; i < kRowTiles; ++i) store_rows<T, kHeadDim>(p, rows[i], acc[i], run_max[i], run_sum[i], split);
+    for (int i = 0; i < kRowTiles; ++i) {
+        // Two row tiles: their output rows are worked out again rather than held through the loop
+        // (four 64-bit registers, which ptxas spilled at head_dim 128).
+        const WarpRows out_rows = kRowTiles == 1 ? rows[i] : warp_rows<kHeadDim, kRowTiles>(p, kv_head, first_row, i);
+        store_rows<T, kHeadDim>(p, out_rows, acc[i], run_max[i], run_sum[i], split);
+    }
 }
 
 // The kernel instantiation for (T, kHeadDim, kWarps, kRowTiles) as seen from the host: its launch and

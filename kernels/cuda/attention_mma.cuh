@@ -37,9 +37,10 @@ constexpr int32_t kMmaTileKeys = 64;
 // independent mmas). Three stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM on
 // sm_90 (228 KiB; registers allow no more), but one on sm_80/sm_87 (164 KiB), where the ring was not
 // measured: a build for those may want CONDUIT_MMA_STAGES=2.
-// Q: kept in registers as A fragments unless two row tiles at head_dim 128 would not fit beside
-// their accumulators (2 x 64 floats of O and 2 x 32 of S a thread): then each lane parks its own
-// fragments in shared memory (kQInSmem; 8 KiB a warp) and reloads them per k-step, 16 bytes a lane.
+// Two row tiles at head_dim 128 do not fit 255 registers as one row tile does (O: 2 x 64 floats a
+// thread, S of a key tile 2 x 32, Q 2 x 32): there each lane parks its Q fragments in shared memory
+// (kQInSmem; 8 KiB a warp) and reloads them per k-step, 16 bytes a lane, and S is taken 32 keys at a
+// time (kScoreKeys), each half of a key tile one online-softmax step (O rescaled twice a tile).
 template <int kHeadDim, int kWarpCount = 4, int kRowTileCount = 1> struct MmaShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kWarpCount == 4 || kWarpCount == 8, "4 or 8 warps");
@@ -58,6 +59,8 @@ template <int kHeadDim, int kWarpCount = 4, int kRowTileCount = 1> struct MmaSha
     static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
     static constexpr int kDimSteps = kHeadDim / 16;            // k-steps of Q K^T
     static constexpr int kKeyTiles = kKeys / 8;                // n-tiles of S = Q K^T
+    static constexpr int kScoreKeys = kQInSmem ? 32 : kKeys;   // keys of S held at once
+    static constexpr int kScoreTiles = kScoreKeys / 8;         // their n-tiles
     static constexpr int kDimTiles = kHeadDim / 8;             // n-tiles of O = P V
     static constexpr int kQChunks = kQInSmem ? kWarps * kRowTiles * kDimSteps * 32 : 0; // one per lane and A fragment
     // Dynamic shared memory: the stages, the stages' positions, then the parked Q fragments (if any).

@@ -361,18 +361,20 @@ template <int kRowChunks> __device__ __forceinline__ void load_key_pair(uint32_t
     ldmatrix_x4(b, k_tile + swizzled<kRowChunks>(key, 2 * k + (lane / 8) % 2));
 }
 
-// S = Q K^T of the warp's kRowTiles row tiles (q: QRegisters or QShared) and one kKeys tile,
-// unscaled: s[i][n] is row tile i's n-tile n (keys 8n .. 8n + 7), lane holding rows g, g + 8 of the
-// tile at keys 8n + 2t, +1. Each K fragment is loaded once for all row tiles; every score sums its
-// k-steps in the same order whatever kRowTiles is.
-template <typename T, int kHeadDim, int kRowTiles, typename QFrags>
-__device__ __forceinline__ void tile_scores(const QFrags &q, const uint4 *k_tile,
-                                            float (&s)[kRowTiles][MmaShape<kHeadDim>::kKeyTiles][4]) {
+// S = Q K^T of the warp's kRowTiles row tiles (q: QRegisters or QShared) and the first 8 kKeyTiles
+// keys of a swizzled K tile (all of it by default; a later part when k_tile points 8 rows or a
+// multiple further: the swizzle depends on the row only through row % 8), unscaled: s[i][n] is row
+// tile i's n-tile n (keys 8n .. 8n + 7), lane holding rows g, g + 8 of the tile at keys 8n + 2t, +1.
+// Each K fragment is loaded once for all row tiles; every score sums its k-steps in the same order
+// whatever kRowTiles and kKeyTiles are.
+template <typename T, int kHeadDim, int kRowTiles, int kKeyTiles = MmaShape<kHeadDim>::kKeyTiles, typename QFrags>
+__device__ __forceinline__ void tile_scores(const QFrags &q, const uint4 *k_tile, float (&s)[kRowTiles][kKeyTiles][4]) {
     using S = MmaShape<kHeadDim>;
+    static_assert(kKeyTiles % 2 == 0 && kKeyTiles <= S::kKeyTiles, "whole 16-key pairs of a tile");
 #pragma unroll
     for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll
-        for (int n = 0; n < S::kKeyTiles; ++n)
+        for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
             for (int j = 0; j < 4; ++j) s[i][n][j] = 0.0f;
 #pragma unroll
@@ -381,7 +383,7 @@ __device__ __forceinline__ void tile_scores(const QFrags &q, const uint4 *k_tile
 #pragma unroll
         for (int i = 0; i < kRowTiles; ++i) q.fetch(i, k, a[i]);
 #pragma unroll
-        for (int n = 0; n < S::kKeyTiles / 2; ++n) {
+        for (int n = 0; n < kKeyTiles / 2; ++n) {
             uint32_t b[4];
             load_key_pair<S::kRowChunks>(b, k_tile, n, k);
 #pragma unroll
