@@ -93,16 +93,17 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kRowTiles>::kThread
     if constexpr (S::kQInSmem) // after the stages' positions: this warp's kRowTiles * kDimSteps * 32 chunks
         q_frag.warp_frags = reinterpret_cast<uint4 *>(pos_smem + S::kStages * S::kKeys) +
                             (threadIdx.x / 32) * kRowTiles * S::kDimSteps * 32;
-    bool all_valid = true;
 #pragma unroll
     for (int i = 0; i < kRowTiles; ++i) {
         rows[i] = warp_rows<kHeadDim, kRowTiles>(p, kv_head, first_row, i);
         q_frag.load(p, rows[i], i);
-        all_valid = all_valid && rows[i].valid[0] && rows[i].valid[1];
     }
     int32_t min_q_pos, max_q_pos;
     cta_q_pos_range<kWarps, kRowTiles>(rows, min_q_pos, max_q_pos);
     // Rows past the end of the queries hold q = 0 and are never stored: they need no mask either.
+    bool all_valid = true;
+#pragma unroll
+    for (int i = 0; i < kRowTiles; ++i) all_valid = all_valid && rows[i].valid[0] && rows[i].valid[1];
     const bool all_rows_valid = __syncthreads_and(all_valid);
     if (!all_rows_valid) min_q_pos = INT32_MIN; // keep every tile masked: simpler than reasoning about them
 
