@@ -4,8 +4,9 @@ on random inputs, and runs it.
 
     python3 kernels/cuda/emu/run_emu.py            # on the CPU emulator (emu.h): g++ (C++20) and
                                                    # the CUDA headers, no GPU or driver needed; then
-                                                   # the stats tests again with CONDUIT_STATS_MMA=0
-                                                   # and the decode ones with CONDUIT_DECODE_MMA=0
+                                                   # the stats tests again with CONDUIT_STATS_MMA=0,
+                                                   # the decode ones with CONDUIT_DECODE_MMA=0 and the
+                                                   # tensor-core attention's with CONDUIT_MMA_ROWS=32
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
 """
 import argparse
@@ -69,14 +70,18 @@ def run_on_gpu(build: pathlib.Path, arch: str) -> int:
 
 def run_tests(binary: pathlib.Path) -> int:
     """Every test, then attention_stats and the decode grid again on their CUDA-core paths (bf16/f16
-    at head_dim 64/128 take them only with CONDUIT_STATS_MMA=0, CONDUIT_DECODE_MMA=0)."""
+    at head_dim 64/128 take them only with CONDUIT_STATS_MMA=0, CONDUIT_DECODE_MMA=0), and the
+    tensor-core attention's grid again in its 32-rows-a-warp variant (CONDUIT_MMA_ROWS=32)."""
     if subprocess.call([str(binary)]) != 0:
         return 1
     print("CONDUIT_STATS_MMA=0:", flush=True)
     if subprocess.call([str(binary), "stats"], env={**os.environ, "CONDUIT_STATS_MMA": "0"}) != 0:
         return 1
     print("CONDUIT_DECODE_MMA=0:", flush=True)
-    return subprocess.call([str(binary), "decode"], env={**os.environ, "CONDUIT_DECODE_MMA": "0"})
+    if subprocess.call([str(binary), "decode"], env={**os.environ, "CONDUIT_DECODE_MMA": "0"}) != 0:
+        return 1
+    print("CONDUIT_MMA_ROWS=32:", flush=True)
+    return subprocess.call([str(binary), "mma"], env={**os.environ, "CONDUIT_MMA_ROWS": "32"})
 
 
 def main() -> int:

@@ -623,43 +623,11 @@ void test_topk_grid() {
                 if (k >= 0 && (n <= 5000 || k == n / 10)) test_topk(n, k, kind, workspace);
 }
 
-} // namespace
-
-int main(int argc, char **argv) {
-    if (argc > 1 && std::string(argv[1]) == "stats") { // only the statistics (run_emu.py: the CUDA-core path)
-        test_stats_grid();
-        std::printf("stats: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    if (argc > 1 && std::string(argv[1]) == "split") { // only the split tensor-core attention (for iterating on it)
-        test_mma_split_grid();
-        std::printf("split: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grid (run_emu.py: the CUDA-core path)
-        test_decode_grid();
-        std::printf("decode: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
-    const int dims[] = {8, 64, 80, 96, 128, 256};
+// The tensor-core attention (attention_mma.cu) in the variant CONDUIT_MMA_ROWS picks (run_emu.py
+// runs this grid again with CONDUIT_MMA_ROWS=32: 4 warps of two m16 row tiles, 128 rows a CTA).
+void test_mma_attention_grid() {
     const int blocks[] = {1, 4, 16, 64, 256};
     const int groups[] = {1, 2, 3, 7, 8, 12};
-    for (kc::DType t : dtypes)
-        for (int d : dims) {
-            test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), false);
-            test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), true);
-        }
-    std::printf("copies: %d checks, %d failures\n", checks, failures);
-    std::fflush(stdout);
-    for (kc::DType t : dtypes)
-        for (int d : dims) {
-            test_attention(t, randint(1, 2), groups[randint(0, 5)], d, blocks[randint(0, 4)], randint(0, 40), randint(1, 3), false);
-            test_attention(t, 1, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(300, 700), randint(1, 2), randint(0, 1));
-        }
-    test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
-    test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, Layout::kCausalChunk);
-    test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, Layout::kCausalChunk);
     // Many queries, bf16/f16, head_dim 64/128: the tensor-core path (attention_mma.cu); key counts
     // around the 64-slot tile, rows around the 64-row CTA tile.
     for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
@@ -688,6 +656,61 @@ int main(int argc, char **argv) {
         }
     test_attention(kc::DType::BF16, 4, 2, 128, 16, 200, 128, false, Layout::kCausalChunk);
     test_attention(kc::DType::F16, 4, 2, 64, 16, 330, 128, false, Layout::kRandom, 0b01010);
+    // Around the 128 rows of a 32-rows-a-warp CTA: fewer rows than a CTA (its second row tile of
+    // every warp, or whole warps, padding), rows that end inside a warp's second tile, several CTAs
+    // with a partial last one; GQA rows of one query split across row tiles and warps; scattered
+    // queries (rows of one CTA see different keys), splits, lse.
+    test_attention(kc::DType::BF16, 1, 1, 128, 16, 500, 20, false, Layout::kRecompute);    // 20 rows of 128
+    test_attention(kc::DType::F16, 2, 3, 64, 8, 260, 33, true, Layout::kCausalChunk);     // 99 rows: warp 3 has 3
+    test_attention(kc::DType::BF16, 1, 5, 128, 4, 700, 61, false, Layout::kRecompute);    // 305 rows: 3 CTAs, splits
+    test_attention(kc::DType::F16, 2, 8, 128, 64, 1100, 40, false, Layout::kCausalChunk); // 320 rows, GQA 8, splits
+    test_attention(kc::DType::BF16, 1, 2, 64, 16, 900, 200, false, Layout::kRandom, 0b0101000); // hidden tiles
+    test_attention(kc::DType::F16, 1, 1, 128, 32, 3000, 17, false, Layout::kRecompute);   // one CTA, many splits
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+    if (argc > 1 && std::string(argv[1]) == "stats") { // only the statistics (run_emu.py: the CUDA-core path)
+        test_stats_grid();
+        std::printf("stats: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
+    if (argc > 1 && std::string(argv[1]) == "split") { // only the split tensor-core attention (for iterating on it)
+        test_mma_split_grid();
+        std::printf("split: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
+    if (argc > 1 && std::string(argv[1]) == "mma") { // only the tensor-core attention (run_emu.py: 32 rows a warp)
+        test_mma_attention_grid();
+        std::printf("mma: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
+    if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grid (run_emu.py: the CUDA-core path)
+        test_decode_grid();
+        std::printf("decode: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
+    const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
+    const int dims[] = {8, 64, 80, 96, 128, 256};
+    const int blocks[] = {1, 4, 16, 64, 256};
+    const int groups[] = {1, 2, 3, 7, 8, 12};
+    for (kc::DType t : dtypes)
+        for (int d : dims) {
+            test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), false);
+            test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), true);
+        }
+    std::printf("copies: %d checks, %d failures\n", checks, failures);
+    std::fflush(stdout);
+    for (kc::DType t : dtypes)
+        for (int d : dims) {
+            test_attention(t, randint(1, 2), groups[randint(0, 5)], d, blocks[randint(0, 4)], randint(0, 40), randint(1, 3), false);
+            test_attention(t, 1, groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(300, 700), randint(1, 2), randint(0, 1));
+        }
+    test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
+    test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, Layout::kCausalChunk);
+    test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, Layout::kCausalChunk);
+    test_mma_attention_grid();
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     test_stats_grid();
