@@ -58,9 +58,9 @@ void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
     merge_splits<T>(p, stream);
 }
 
-// The tensor-core attention (attention_mma.cu) in variant v and p's split plan, then the merge.
-void launch_mma_attention_and_merge(const AttentionParams &p, DType dtype, MmaVariant v, cudaStream_t stream) {
-    launch_mma_attention(p, dtype, v, stream);
+// The tensor-core attention (attention_mma.cu) with `warps` warps and p's split plan, then the merge.
+void launch_mma_attention_and_merge(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream) {
+    launch_mma_attention(p, dtype, warps, stream);
     dispatch_dtype(dtype, [&](auto tag) { merge_splits<typename decltype(tag)::type>(p, stream); });
 }
 
@@ -256,11 +256,11 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group)) { // many queries: tensor cores
         // Few rows per KV head give fewer CTAs than the device holds (a CONDUIT text pass: 64 on an
         // H200 that holds 264), each streaming every key alone: split the keys until one wave is full.
-        const MmaVariant variant = mma_variant_for(p); // its rows per CTA set the CTAs the plan counts
-        plan_splits_of(p, mma_attention_base_ctas(p, variant), kMmaTileKeys, kMinMmaSplitKeys,
-                       mma_attention_resident_ctas(kv.dtype, p.head_dim, variant) * mma_split_waves());
+        const int warps = mma_warps_for(p);
+        plan_splits_of(p, mma_attention_base_ctas(p, warps), kMmaTileKeys, kMinMmaSplitKeys,
+                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * mma_split_waves());
         place_stream_partials(p, as_stream(stream), false);
-        launch_mma_attention_and_merge(p, kv.dtype, variant, as_stream(stream));
+        launch_mma_attention_and_merge(p, kv.dtype, warps, as_stream(stream));
         return;
     }
     // One query (a decode step, or one recomputed row: the kernel applies the position mask too)

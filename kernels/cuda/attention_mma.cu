@@ -10,11 +10,8 @@
 // 264, each walking 74 key tiles: 6.3 ms of the pass's 10.9 ms device time (32 layers). So
 // attention.cu splits the keys until one wave of CTAs is full (flash-decoding); each split writes its
 // rows' normalised float partial and natural-log lse, and merge_splits (attention.cu) combines them.
-// With one split a CTA writes out and lse itself. A warp takes 16 rows (one m16 tile; 4 or 8 warps a
-// CTA) or, with kRowTiles = 2, 32 (FlashAttention-2's split: 4 warps, 128 rows a CTA; every K and V
-// fragment a warp loads feeds two mmas). Per CTA:
-//   1. Each warp keeps its rows of Q as mma A fragments (unscaled): in registers, or for 32 rows at
-//      head_dim 128 parked in shared memory and reloaded per k-step (MmaShape::kQInSmem).
+// With one split a CTA writes out and lse itself. Per CTA:
+//   1. Each warp keeps its 16 rows of Q as mma A fragments in registers (unscaled).
 //   2. Key tiles of kKeys slots are gathered from the paged pool with cp.async through a ring of
 //      kStages shared-memory stages, kStages - 1 tiles ahead of the compute, with one CTA barrier
 //      per tile (the 8 warps of a CTA drift apart instead of all doing Q K^T, then all the softmax,
@@ -34,7 +31,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "attention_mma_tile.cuh"
@@ -77,51 +73,30 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
     }
 }
 
-template <typename T, int kHeadDim, int kWarps, int kRowTiles>
-__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kRowTiles>::kThreads)
-    mma_attention_kernel(const AttentionParams p) {
-    using S = MmaShape<kHeadDim, kWarps, kRowTiles>;
-    using QFrags = std::conditional_t<S::kQInSmem, QShared<kHeadDim, kRowTiles>, QRegisters<kHeadDim, kRowTiles>>;
+template <typename T, int kHeadDim, int kWarps>
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
+    using S = MmaShape<kHeadDim, kWarps>;
     extern __shared__ uint4 mma_smem[];
     int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);
     const int32_t lane = threadIdx.x % 32;
     const int32_t kv_head = blockIdx.y, split = blockIdx.z;
     const int32_t first_row = (gridDim.x - 1 - blockIdx.x) * S::kRows;
 
-    WarpRows rows[kRowTiles];
-    QFrags q_frag;
-    if constexpr (S::kQInSmem) // after the stages' positions: this warp's kRowTiles * kDimSteps * 32 chunks
-        q_frag.warp_frags = reinterpret_cast<uint4 *>(pos_smem + S::kStages * S::kKeys) +
-                            (threadIdx.x / 32) * kRowTiles * S::kDimSteps * 32;
-#pragma unroll
-    for (int i = 0; i < kRowTiles; ++i) {
-        rows[i] = warp_rows<kHeadDim, kRowTiles>(p, kv_head, first_row, i);
-        q_frag.load(p, rows[i], i);
-    }
+    const WarpRows rows = warp_rows<kHeadDim>(p, kv_head, first_row);
+    uint32_t q_frag[S::kDimSteps][4];
+    load_q<kHeadDim>(p, rows, q_frag);
     int32_t min_q_pos, max_q_pos;
-    cta_q_pos_range<kWarps, kRowTiles>(rows, min_q_pos, max_q_pos);
+    cta_q_pos_range<kWarps>(rows, min_q_pos, max_q_pos);
     // Rows past the end of the queries hold q = 0 and are never stored: they need no mask either.
-    bool all_valid = true;
-#pragma unroll
-    for (int i = 0; i < kRowTiles; ++i) all_valid = all_valid && rows[i].valid[0] && rows[i].valid[1];
-    const bool all_rows_valid = __syncthreads_and(all_valid);
+    const bool all_rows_valid = __syncthreads_and(rows.valid[0] && rows.valid[1]);
     if (!all_rows_valid) min_q_pos = INT32_MIN; // keep every tile masked: simpler than reasoning about them
 
-    float acc[kRowTiles][S::kDimTiles][4];
+    float acc[S::kDimTiles][4];
 #pragma unroll
-    for (int i = 0; i < kRowTiles; ++i)
+    for (int n = 0; n < S::kDimTiles; ++n)
 #pragma unroll
-        for (int n = 0; n < S::kDimTiles; ++n)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.0f;
-    float run_max[kRowTiles][2], run_sum[kRowTiles][2]; // base 2; sums lane-partial
-#pragma unroll
-    for (int i = 0; i < kRowTiles; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            run_max[i][r] = -CUDART_INF_F;
-            run_sum[i][r] = 0.0f;
-        }
+        for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
+    float run_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, run_sum[2] = {0.0f, 0.0f}; // base 2; sums lane-partial
 
     // Split z of several takes the key tiles [z * tiles_per_split, +tiles_per_split); one split takes all.
     const int32_t n_tiles = (p.n_tokens + S::kKeys - 1) / S::kKeys;
@@ -129,85 +104,60 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps, kRowTiles>::kThread
     const int32_t tile_begin = min(n_tiles, split * tiles_per_split);
     const int32_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
+        const uint4 *v_tile = k_tile + S::kTileChunks;
         const int32_t tile_keys = min(S::kKeys, p.n_tokens - tile * S::kKeys);
-        // S of kScoreKeys keys at a time (the whole tile, or its halves at 32 rows and head_dim 128).
-#pragma unroll 1
-        for (int part = 0; part < S::kKeys / S::kScoreKeys; ++part) {
-            const int32_t part_key = part * S::kScoreKeys;
-            const uint4 *k_part = k_tile + part_key * S::kRowChunks; // the swizzle repeats every 8 rows
-            const uint4 *v_part = k_part + S::kTileChunks;
 
-            // S = Q K^T; masked (unless every slot is visible to every row) and scaled to base 2.
-            float s[kRowTiles][S::kScoreTiles][4], ref[kRowTiles][2];
-            tile_scores<T, kHeadDim, kRowTiles, S::kScoreTiles>(q_frag, k_part, s);
+        // S = Q K^T; masked (unless every slot is visible to every row) and scaled to base 2.
+        float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
+        tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
+        scale_and_mask<S::kKeyTiles>(s, view, rows, tile_pos, tile_keys, p.scale_log2, tile_max);
+        rescale_running(tile_max, run_max, run_sum, ref, alpha);
 #pragma unroll
-            for (int i = 0; i < kRowTiles; ++i) {
-                float tile_max[2], alpha[2];
-                scale_and_mask<S::kScoreTiles>(s[i], view, rows[i], tile_pos + part_key, tile_keys - part_key,
-                                               p.scale_log2, tile_max);
-                rescale_running(tile_max, run_max[i], run_sum[i], ref[i], alpha);
+        for (int n = 0; n < S::kDimTiles; ++n)
 #pragma unroll
-                for (int n = 0; n < S::kDimTiles; ++n)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[i][n][j] *= alpha[j / 2];
-            }
+            for (int j = 0; j < 4; ++j) acc[n][j] *= alpha[j / 2];
 
-            // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1; each V
-            // fragment feeds every row tile.
+        // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1.
 #pragma unroll
-            for (int k = 0; k < S::kScoreTiles / 2; ++k) {
-                uint32_t a[kRowTiles][4];
+        for (int k = 0; k < S::kKeyTiles / 2; ++k) {
+            uint32_t a[4];
 #pragma unroll
-                for (int i = 0; i < kRowTiles; ++i)
+            for (int h = 0; h < 2; ++h) {
+                float *sv = s[2 * k + h];
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float *sv = s[i][2 * k + h];
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            sv[j] = fast_exp2(sv[j] - ref[i][j / 2]);
-                            run_sum[i][j / 2] += sv[j];
-                        }
-                        a[i][2 * h] = pack2<T>(sv[0], sv[1]);
-                        a[i][2 * h + 1] = pack2<T>(sv[2], sv[3]);
-                    }
-#pragma unroll
-                for (int n = 0; n < S::kDimTiles / 2; ++n) {
-                    uint32_t b[4];
-                    const int key = 16 * k + ((lane / 8) % 2) * 8 + lane % 8;
-                    ldmatrix_x4_trans(b, v_part + swizzled<S::kRowChunks>(key, 2 * n + lane / 16));
-#pragma unroll
-                    for (int i = 0; i < kRowTiles; ++i) {
-                        mma_m16n8k16<T>(acc[i][2 * n], a[i], b[0], b[1]);
-                        mma_m16n8k16<T>(acc[i][2 * n + 1], a[i], b[2], b[3]);
-                    }
+                for (int j = 0; j < 4; ++j) {
+                    sv[j] = fast_exp2(sv[j] - ref[j / 2]);
+                    run_sum[j / 2] += sv[j];
                 }
+                a[2 * h] = pack2<T>(sv[0], sv[1]);
+                a[2 * h + 1] = pack2<T>(sv[2], sv[3]);
+            }
+#pragma unroll
+            for (int n = 0; n < S::kDimTiles / 2; ++n) {
+                uint32_t b[4];
+                const int key = 16 * k + ((lane / 8) % 2) * 8 + lane % 8;
+                ldmatrix_x4_trans(b, v_tile + swizzled<S::kRowChunks>(key, 2 * n + lane / 16));
+                mma_m16n8k16<T>(acc[2 * n], a, b[0], b[1]);
+                mma_m16n8k16<T>(acc[2 * n + 1], a, b[2], b[3]);
             }
         }
     };
-    for_each_key_tile<T, kHeadDim, kWarps, true, kRowTiles>(p, kv_head, tile_begin, tile_end, max_q_pos, min_q_pos,
-                                                             mma_smem, pos_smem, on_tile);
-#pragma unroll
-    for (int i = 0; i < kRowTiles; ++i) {
-        // Two row tiles: their output rows are worked out again rather than held through the loop
-        // (four 64-bit registers, which ptxas spilled at head_dim 128).
-        const WarpRows out_rows = kRowTiles == 1 ? rows[i] : warp_rows<kHeadDim, kRowTiles>(p, kv_head, first_row, i);
-        store_rows<T, kHeadDim>(p, out_rows, acc[i], run_max[i], run_sum[i], split);
-    }
+    for_each_key_tile<T, kHeadDim, kWarps, true>(p, kv_head, tile_begin, tile_end, max_q_pos, min_q_pos, mma_smem,
+                                                  pos_smem, on_tile);
+    store_rows<T, kHeadDim>(p, rows, acc, run_max, run_sum, split);
 }
 
-// The kernel instantiation for (T, kHeadDim, kWarps, kRowTiles) as seen from the host: its launch and
-// occupancy.
-template <typename T, int kHeadDim, int kWarps, int kRowTiles> struct MmaKernel {
-    using S = MmaShape<kHeadDim, kWarps, kRowTiles>;
-    static constexpr auto kernel = &mma_attention_kernel<T, kHeadDim, kWarps, kRowTiles>;
-    static constexpr MmaVariant variant{kWarps, kRowTiles};
+// The kernel instantiation for (T, kHeadDim, kWarps) as seen from the host: its launch and occupancy.
+template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
+    using S = MmaShape<kHeadDim, kWarps>;
+    static constexpr auto kernel = &mma_attention_kernel<T, kHeadDim, kWarps>;
 
     // Launches it for p: row tiles x KV heads x p.n_splits (at least one) CTAs.
     static void launch(const AttentionParams &p, cudaStream_t stream) {
         allow_dynamic_smem<kernel>(S::kSmemBytes);
-        const dim3 grid{unsigned(mma_attention_base_ctas(p, variant) / p.n_kv_heads), unsigned(p.n_kv_heads),
+        const dim3 grid{unsigned(mma_attention_base_ctas(p, kWarps) / p.n_kv_heads), unsigned(p.n_kv_heads),
                         unsigned(std::max(p.n_splits, 1))};
-        mma_attention_kernel<T, kHeadDim, kWarps, kRowTiles><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
         CUDA_CHECK_LAUNCH("mma_attention_kernel");
     }
 
@@ -227,27 +177,40 @@ template <typename T, int kHeadDim, int kWarps, int kRowTiles> struct MmaKernel 
     }
 };
 
-// Calls f(MmaKernel<T, head_dim, warps, row tiles>{}) for bf16 or f16, head_dim 64 or 128, and the
-// variants 4 or 8 warps of one row tile, 4 warps of two.
-template <typename F> void dispatch_mma(DType dtype, int32_t head_dim, MmaVariant v, F &&f) {
-    const auto with_variant = [&](auto type_tag, auto dim) {
+// Calls f(MmaKernel<T, head_dim, warps>{}) for bf16 or f16, head_dim 64 or 128, and 4 or 8 warps.
+template <typename F> void dispatch_mma(DType dtype, int32_t head_dim, int warps, F &&f) {
+    const auto with_warps = [&](auto type_tag, auto dim) {
         using T = typename decltype(type_tag)::type;
         constexpr int kHeadDim = decltype(dim)::value;
-        if (v.row_tiles == 2) f(MmaKernel<T, kHeadDim, 4, 2>{});
-        else if (v.warps == 8) f(MmaKernel<T, kHeadDim, 8, 1>{});
-        else f(MmaKernel<T, kHeadDim, 4, 1>{});
+        if (warps == 8) f(MmaKernel<T, kHeadDim, 8>{});
+        else f(MmaKernel<T, kHeadDim, 4>{});
     };
     const auto with_dim = [&](auto type_tag) {
-        if (head_dim == 64) with_variant(type_tag, std::integral_constant<int, 64>{});
-        else with_variant(type_tag, std::integral_constant<int, 128>{});
+        if (head_dim == 64) with_warps(type_tag, std::integral_constant<int, 64>{});
+        else with_warps(type_tag, std::integral_constant<int, 128>{});
     };
     if (dtype == DType::BF16) with_dim(TypeTag<__nv_bfloat16>{});
     else with_dim(TypeTag<__half>{});
 }
 
-// The one variant dispatch_mma runs for v: 2 row tiles only with 4 warps.
-MmaVariant normalized(MmaVariant v) {
-    return v.row_tiles == 2 ? MmaVariant{4, 2} : MmaVariant{v.warps == 8 ? 8 : 4, 1};
+} // namespace
+
+int64_t mma_attention_base_ctas(const AttentionParams &p, int warps) {
+    const int64_t rows_per_cta = 16 * warps;
+    return (int64_t(p.n_q) * p.group + rows_per_cta - 1) / rows_per_cta * p.n_kv_heads;
+}
+
+int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, int warps) {
+    int per_sm = 1;
+    dispatch_mma(dtype, head_dim, warps, [&](auto kernel) { per_sm = decltype(kernel)::resident_per_sm(); });
+    return int64_t(per_sm) * sm_count();
+}
+
+void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream) {
+    require(mma_attention_applies(dtype, p.head_dim, p.n_q, p.group), "shape not supported by the mma attention");
+    require(p.n_splits <= 1 || (p.partial_out && p.partial_lse && p.split_tokens % kMmaTileKeys == 0),
+            "mma attention: splits need partials and whole key tiles");
+    dispatch_mma(dtype, p.head_dim, warps, [&](auto kernel) { decltype(kernel)::launch(p, stream); });
 }
 
 // 8 warps (128 rows a CTA) share each key tile among twice the rows, which pays while their CTAs
@@ -261,46 +224,7 @@ int mma_warps_for(const AttentionParams &p) {
         return asked == 4 || asked == 8 ? asked : 0;
     }();
     if (forced) return forced;
-    return mma_attention_base_ctas(p, MmaVariant{8, 1}) >= 2 * int64_t(sm_count()) ? 8 : 4;
-}
-
-// Where 32 rows a warp should pay (not measured yet, so only CONDUIT_MMA_ROWS=auto takes it): where
-// 128-row CTAs still fill the device twice over (the 8-warp rule above: a prefill chunk, not a text
-// pass or short recompute, whose few rows per KV head would be mostly padding in 128-row tiles and
-// whose key splits would double). It takes the 8-warp variant's row tiles with half the warps.
-bool mma_rows32_suits(const AttentionParams &p) {
-    return mma_attention_base_ctas(p, MmaVariant{4, 2}) >= 2 * int64_t(sm_count());
-}
-
-} // namespace
-
-int64_t mma_attention_base_ctas(const AttentionParams &p, MmaVariant v) {
-    const int64_t rows_per_cta = normalized(v).rows();
-    return (int64_t(p.n_q) * p.group + rows_per_cta - 1) / rows_per_cta * p.n_kv_heads;
-}
-
-int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, MmaVariant v) {
-    int per_sm = 1;
-    dispatch_mma(dtype, head_dim, v, [&](auto kernel) { per_sm = decltype(kernel)::resident_per_sm(); });
-    return int64_t(per_sm) * sm_count();
-}
-
-void launch_mma_attention(const AttentionParams &p, DType dtype, MmaVariant v, cudaStream_t stream) {
-    require(mma_attention_applies(dtype, p.head_dim, p.n_q, p.group), "shape not supported by the mma attention");
-    require(p.n_splits <= 1 || (p.partial_out && p.partial_lse && p.split_tokens % kMmaTileKeys == 0),
-            "mma attention: splits need partials and whole key tiles");
-    dispatch_mma(dtype, p.head_dim, v, [&](auto kernel) { decltype(kernel)::launch(p, stream); });
-}
-
-MmaVariant mma_variant_for(const AttentionParams &p) {
-    enum Rows { kRows16, kRows32, kRowsAuto };
-    static const Rows rows = [] {
-        const char *env = std::getenv("CONDUIT_MMA_ROWS");
-        const std::string asked = env ? env : "";
-        return asked == "32" ? kRows32 : asked == "auto" ? kRowsAuto : kRows16;
-    }();
-    if (rows == kRows32 || (rows == kRowsAuto && mma_rows32_suits(p))) return MmaVariant{4, 2};
-    return MmaVariant{mma_warps_for(p), 1};
+    return mma_attention_base_ctas(p, 8) >= 2 * int64_t(sm_count()) ? 8 : 4;
 }
 
 } // namespace conduit::kernels::cuda

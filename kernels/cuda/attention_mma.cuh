@@ -21,51 +21,29 @@ constexpr int32_t kMmaTileKeys = 64;
 #define CONDUIT_MMA_STAGES 3
 #endif
 
-// Shared-memory stages of the 32-rows-a-warp variant at head_dim 128 (MmaShape with kRowTiles = 2):
-// its Q takes 32 KiB of shared memory besides the ring, and two stages (97 KiB a CTA) keep two CTAs
-// on an sm_90 SM where three (129 KiB) would leave one. A build-time knob (2 to 8) for measuring.
-#ifndef CONDUIT_MMA_ROWS32_STAGES
-#define CONDUIT_MMA_ROWS32_STAGES 2
-#endif
-
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
-// KV head, kWarps warps of kRowTiles m16 tiles (16 rows each) and streams key tiles of kKeys slots
-// through kStages shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their
-// positions. More warps share each key tile among more rows (fewer loads per FLOP) at the cost of
-// occupancy; two row tiles a warp (FlashAttention-2's 32 rows) feed every K and V fragment a warp
-// loads from shared memory to two mmas instead of one (half the ldmatrix per FLOP, twice the
-// independent mmas). Three stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM on
-// sm_90 (228 KiB; registers allow no more), but one on sm_80/sm_87 (164 KiB), where the ring was not
-// measured: a build for those may want CONDUIT_MMA_STAGES=2.
-// Two row tiles at head_dim 128 do not fit 255 registers as one row tile does (O: 2 x 64 floats a
-// thread, S of a key tile 2 x 32, Q 2 x 32): there each lane parks its Q fragments in shared memory
-// (kQInSmem; 8 KiB a warp) and reloads them per k-step, 16 bytes a lane, and S is taken 32 keys at a
-// time (kScoreKeys), each half of a key tile one online-softmax step (O rescaled twice a tile).
-template <int kHeadDim, int kWarpCount = 4, int kRowTileCount = 1> struct MmaShape {
+// KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
+// shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
+// warps share each key tile among more rows (fewer loads per FLOP) at the cost of occupancy. Three
+// stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM on sm_90 (228 KiB; registers
+// allow no more), but one on sm_80/sm_87 (164 KiB), where the ring was not measured: a build for
+// those may want CONDUIT_MMA_STAGES=2.
+template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kWarpCount == 4 || kWarpCount == 8, "4 or 8 warps");
-    static_assert(kRowTileCount == 1 || kRowTileCount == 2, "1 or 2 row tiles a warp");
     static constexpr int kWarps = kWarpCount;
-    static constexpr int kRowTiles = kRowTileCount;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kWarpRows = 16 * kRowTiles;
-    static constexpr int kRows = kWarpRows * kWarps;
+    static constexpr int kRows = 16 * kWarps;
     static constexpr int kKeys = kMmaTileKeys;
-    static constexpr bool kQInSmem = kRowTiles * kHeadDim > 128;
-    static constexpr int kStages = kQInSmem ? CONDUIT_MMA_ROWS32_STAGES : CONDUIT_MMA_STAGES;
+    static constexpr int kStages = CONDUIT_MMA_STAGES;
     static_assert(kStages >= 2 && kStages <= 8, "2 to 8 stages");
     static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks per K or V row
     static constexpr int kTileChunks = kKeys * kRowChunks;     // one K (or V) tile
     static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
     static constexpr int kDimSteps = kHeadDim / 16;            // k-steps of Q K^T
     static constexpr int kKeyTiles = kKeys / 8;                // n-tiles of S = Q K^T
-    static constexpr int kScoreKeys = kQInSmem ? 32 : kKeys;   // keys of S held at once
-    static constexpr int kScoreTiles = kScoreKeys / 8;         // their n-tiles
     static constexpr int kDimTiles = kHeadDim / 8;             // n-tiles of O = P V
-    static constexpr int kQChunks = kQInSmem ? kWarps * kRowTiles * kDimSteps * 32 : 0; // one per lane and A fragment
-    // Dynamic shared memory: the stages, the stages' positions, then the parked Q fragments (if any).
-    static constexpr size_t kSmemBytes =
-        size_t(kStages) * kStageChunks * 16 + size_t(kStages) * kKeys * 4 + size_t(kQChunks) * 16;
+    static constexpr size_t kSmemBytes = size_t(kStages) * kStageChunks * 16 + size_t(kStages) * kKeys * 4;
     static constexpr size_t kKeySmemBytes = size_t(kStages) * kTileChunks * 16 + size_t(kStages) * kKeys * 4; // K only
 };
 
@@ -134,18 +112,9 @@ __device__ __forceinline__ float fast_exp2(float x) {
 inline float fast_exp2(float x) { return exp2f(x); }
 #endif // CONDUIT_CUDA_EMULATION
 
-// A CTA geometry of the tensor-core attention: warps and m16 row tiles per warp (MmaShape).
-struct MmaVariant {
-    int warps = 4;     // 4 or 8
-    int row_tiles = 1; // 1 or 2 (2 only with 4 warps)
-    int rows() const { return 16 * warps * row_tiles; }
-};
-
-// The variant of the tensor-core attention for p (see attention_mma.cu): 16 rows a warp, 4 or 8
-// warps by CTA count; CONDUIT_MMA_WARPS=4 or 8 in the environment forces the warps, and
-// CONDUIT_MMA_ROWS=32 takes 32 rows a warp (4 warps, 128 rows a CTA) instead, =auto by
-// mma_rows32_suits (read once; for measuring).
-MmaVariant mma_variant_for(const AttentionParams &p);
+// Warps per CTA of the tensor-core attention for p (4 or 8, see attention_mma.cu);
+// CONDUIT_MMA_WARPS=4 or 8 in the environment forces one (read once; for measuring both).
+int mma_warps_for(const AttentionParams &p);
 
 // Whether the tensor-core kernels (mma.sync m16n8k16 on 16-bit operands, tiles for head_dim 64 and
 // 128) can take a layer of this dtype and head_dim.
@@ -165,18 +134,18 @@ inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, in
     return mma_tiles_fit(dtype, head_dim) && (n_q >= 16 || int64_t(n_q) * group >= 64);
 }
 
-// CTAs of the tensor-core attention for p in variant v before any key split: tiles of v.rows()
+// CTAs of the tensor-core attention for p with `warps` warps before any key split: tiles of 16 * warps
 // (query, head) rows times KV heads.
-int64_t mma_attention_base_ctas(const AttentionParams &p, MmaVariant v);
+int64_t mma_attention_base_ctas(const AttentionParams &p, int warps);
 
-// CTAs of its (dtype, head_dim, v) instantiation resident on the device at once (occupancy x SMs).
-int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, MmaVariant v);
+// CTAs of its (dtype, head_dim, warps) instantiation resident on the device at once (occupancy x SMs).
+int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, int warps);
 
-// Launches the tensor-core attention for p (from attention_params, with out and lse set) in variant
-// v (mma_variant_for). With p.n_splits > 1, split z takes the slots [z * p.split_tokens, +split_tokens)
+// Launches the tensor-core attention for p (from attention_params, with out and lse set) with `warps`
+// warps (mma_warps_for). With p.n_splits > 1, split z takes the slots [z * p.split_tokens, +split_tokens)
 // (whole kMmaTileKeys tiles) and writes its partials (p.partial_out, p.partial_lse) for the caller to
 // merge; with one split it writes out and lse itself.
-void launch_mma_attention(const AttentionParams &p, DType dtype, MmaVariant v, cudaStream_t stream);
+void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream);
 
 // Tensor-core split-KV decode (attention_mma_decode.cu): one query per sequence over every key it
 // sees, the query heads of a GQA group as the rows of one mma tile. Same split plan, partials and

@@ -1,11 +1,7 @@
 // attention_mma_tile.cuh: the pieces of a tensor-core key-tile loop that the attention kernel
 // (attention_mma.cu) and the first pass of the attention statistics (attention_stats_mma.cu) share:
 // gathering a key tile from the paged pool, the warp's rows and Q fragments, and S = Q K^T of one
-// tile with its causal mask. Sharing them is what keeps the two kernels' scores bit-identical. A warp
-// takes one m16 tile of rows or, in the attention's 32-row variant (MmaShape::kRowTiles = 2), two:
-// the per-row pieces (WarpRows, scale_and_mask, rescale_running) work on one row tile and are
-// called per tile; tile_scores takes all of the warp's row tiles so that each K fragment it loads
-// feeds every one of them.
+// tile with its causal mask. Sharing them is what keeps the two kernels' scores bit-identical.
 //
 // The key-tile loop (for_each_key_tile) is a ring of kStages shared-memory stages with ONE CTA
 // barrier per tile. Per tile t:
@@ -140,13 +136,12 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p, int3
 // of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when kWithValues; tile_pos:
 // its kKeys positions). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
 // (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile;
-// pos_smem: kStages * kKeys positions (MmaShape<kHeadDim, kWarps, kRowTiles>'s stages). Call from all
-// threads.
-template <typename T, int kHeadDim, int kWarps, bool kWithValues, int kRowTiles = 1, typename OnTile>
+// pos_smem: kStages * kKeys positions. Call from all threads.
+template <typename T, int kHeadDim, int kWarps, bool kWithValues, typename OnTile>
 __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_begin,
                                                   int32_t tile_end, int32_t max_q_pos, int32_t min_q_pos, uint4 *smem,
                                                   int32_t *pos_smem, OnTile &&on_tile) {
-    using S = MmaShape<kHeadDim, kWarps, kRowTiles>;
+    using S = MmaShape<kHeadDim, kWarps>;
     constexpr int kStageChunks = kWithValues ? S::kStageChunks : S::kTileChunks;
     const int32_t lane = threadIdx.x % 32;
     // Decides what the tile shows the CTA, stores its positions in the stage's slot (warp 0: the
@@ -212,24 +207,21 @@ template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
     if (device >= 0 && device < 64) done[device] = true;
 }
 
-// One m16 row tile of a warp: which (query, head) each of the lane's two fragment rows (g and g + 8)
-// is. Rows are (query, head) pairs of one KV head, query-major: row r = query r / group, head r % group.
+// One warp's rows: which (query, head) each of its two fragment rows (g and g + 8) is. Rows are
+// (query, head) pairs of one KV head, query-major: row r = query r / group, head r % group.
 struct WarpRows {
     int64_t out_row[2]; // query * n_heads + head, the row of q, out and lse
     int32_t q_pos[2];
     bool valid[2];
 };
 
-// Row tile `tile` of the warp's kRowTiles, the CTA's rows starting at first_row: warp w takes the
-// 16 kRowTiles rows from first_row + 16 kRowTiles w.
-template <int kHeadDim, int kRowTiles = 1>
-__device__ __forceinline__ WarpRows warp_rows(const AttentionParams &p, int32_t kv_head, int32_t first_row,
-                                              int tile = 0) {
+template <int kHeadDim>
+__device__ __forceinline__ WarpRows warp_rows(const AttentionParams &p, int32_t kv_head, int32_t first_row) {
     const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     WarpRows rows;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int64_t row = int64_t(first_row) + (warp * kRowTiles + tile) * 16 + lane / 4 + r * 8;
+        const int64_t row = int64_t(first_row) + warp * 16 + lane / 4 + r * 8;
         rows.valid[r] = row < int64_t(p.n_q) * p.group;
         const int32_t query = rows.valid[r] ? int32_t(row / p.group) : 0;
         const int32_t head = kv_head * p.group + int32_t(row % p.group);
@@ -257,59 +249,17 @@ __device__ __forceinline__ void load_q(const AttentionParams &p, const WarpRows 
         }
 }
 
-// A warp's Q as the A fragments of its kRowTiles row tiles (load_q's layout), for tile_scores:
-// fetch(i, k, a) gives row tile i's fragment of k-step k. QRegisters holds them in registers;
-// QShared parks them in shared memory, each lane its own (16 bytes per fragment, lane-contiguous:
-// one conflict-free 16-byte load per fetch, no barrier), where registers cannot hold them beside
-// two row tiles' accumulators (MmaShape::kQInSmem).
-template <int kHeadDim, int kRowTiles> struct QRegisters {
-    uint32_t frag[kRowTiles][kHeadDim / 16][4];
-
-    __device__ __forceinline__ void load(const AttentionParams &p, const WarpRows &rows, int tile) {
-        load_q<kHeadDim>(p, rows, frag[tile]);
-    }
-    __device__ __forceinline__ void fetch(int tile, int k, uint32_t (&a)[4]) const {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) a[j] = frag[tile][k][j];
-    }
-};
-
-template <int kHeadDim, int kRowTiles> struct QShared {
-    uint4 *warp_frags; // kRowTiles * kHeadDim / 16 * 32 chunks of this warp
-
-    __device__ __forceinline__ uint4 *slot(int tile, int k) const {
-        return warp_frags + (tile * (kHeadDim / 16) + k) * 32 + threadIdx.x % 32;
-    }
-    __device__ __forceinline__ void load(const AttentionParams &p, const WarpRows &rows, int tile) {
-        uint32_t f[kHeadDim / 16][4];
-        load_q<kHeadDim>(p, rows, f);
-#pragma unroll
-        for (int k = 0; k < kHeadDim / 16; ++k) *slot(tile, k) = make_uint4(f[k][0], f[k][1], f[k][2], f[k][3]);
-    }
-    __device__ __forceinline__ void fetch(int tile, int k, uint32_t (&a)[4]) const {
-        const uint4 v = *slot(tile, k);
-        a[0] = v.x;
-        a[1] = v.y;
-        a[2] = v.z;
-        a[3] = v.w;
-    }
-};
-
 // The latest and the earliest query position among the CTA's valid rows (all threads get them).
-// rows: the warp's kRowTiles row tiles.
-template <int kWarps, int kRowTiles = 1>
-__device__ __forceinline__ void cta_q_pos_range(const WarpRows *rows, int32_t &lo, int32_t &hi) {
+template <int kWarps> __device__ __forceinline__ void cta_q_pos_range(const WarpRows &rows, int32_t &lo, int32_t &hi) {
     __shared__ int32_t warp_lo[kWarps], warp_hi[kWarps];
     lo = INT32_MAX;
     hi = INT32_MIN;
 #pragma unroll
-    for (int i = 0; i < kRowTiles; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (rows[i].valid[r]) {
-                lo = min(lo, rows[i].q_pos[r]);
-                hi = max(hi, rows[i].q_pos[r]);
-            }
+    for (int r = 0; r < 2; ++r)
+        if (rows.valid[r]) {
+            lo = min(lo, rows.q_pos[r]);
+            hi = max(hi, rows.q_pos[r]);
+        }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
         lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
@@ -361,38 +311,25 @@ template <int kRowChunks> __device__ __forceinline__ void load_key_pair(uint32_t
     ldmatrix_x4(b, k_tile + swizzled<kRowChunks>(key, 2 * k + (lane / 8) % 2));
 }
 
-// S = Q K^T of the warp's kRowTiles row tiles (q: QRegisters or QShared) and the first 8 kKeyTiles
-// keys of a swizzled K tile (all of it by default; a later part when k_tile points 8 rows or a
-// multiple further: the swizzle depends on the row only through row % 8), unscaled: s[i][n] is row
-// tile i's n-tile n (keys 8n .. 8n + 7), lane holding rows g, g + 8 of the tile at keys 8n + 2t, +1.
-// Each K fragment is loaded once for all row tiles; every score sums its k-steps in the same order
-// whatever kRowTiles and kKeyTiles are.
-template <typename T, int kHeadDim, int kRowTiles, int kKeyTiles = MmaShape<kHeadDim>::kKeyTiles, typename QFrags>
-__device__ __forceinline__ void tile_scores(const QFrags &q, const uint4 *k_tile, float (&s)[kRowTiles][kKeyTiles][4]) {
-    using S = MmaShape<kHeadDim>;
-    static_assert(kKeyTiles % 2 == 0 && kKeyTiles <= S::kKeyTiles, "whole 16-key pairs of a tile");
+// S = Q K^T of the warp's 16 rows and one kKeys tile, unscaled: s[n] is n-tile n (keys 8n .. 8n + 7),
+// lane holding rows g, g + 8 at keys 8n + 2t, +1.
+template <typename T, int kHeadDim, int kWarps>
+__device__ __forceinline__ void tile_scores(const uint32_t (&q_frag)[kHeadDim / 16][4], const uint4 *k_tile,
+                                            float (&s)[MmaShape<kHeadDim, kWarps>::kKeyTiles][4]) {
+    using S = MmaShape<kHeadDim, kWarps>;
 #pragma unroll
-    for (int i = 0; i < kRowTiles; ++i)
+    for (int n = 0; n < S::kKeyTiles; ++n)
 #pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n)
+        for (int j = 0; j < 4; ++j) s[n][j] = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) s[i][n][j] = 0.0f;
+    for (int k = 0; k < S::kDimSteps; ++k)
 #pragma unroll
-    for (int k = 0; k < S::kDimSteps; ++k) {
-        uint32_t a[kRowTiles][4];
-#pragma unroll
-        for (int i = 0; i < kRowTiles; ++i) q.fetch(i, k, a[i]);
-#pragma unroll
-        for (int n = 0; n < kKeyTiles / 2; ++n) {
+        for (int n = 0; n < S::kKeyTiles / 2; ++n) {
             uint32_t b[4];
             load_key_pair<S::kRowChunks>(b, k_tile, n, k);
-#pragma unroll
-            for (int i = 0; i < kRowTiles; ++i) {
-                mma_m16n8k16<T>(s[i][2 * n], a[i], b[0], b[1]);
-                mma_m16n8k16<T>(s[i][2 * n + 1], a[i], b[2], b[3]);
-            }
+            mma_m16n8k16<T>(s[2 * n], q_frag[k], b[0], b[1]);
+            mma_m16n8k16<T>(s[2 * n + 1], q_frag[k], b[2], b[3]);
         }
-    }
 }
 
 // Scales a tile's scores to base 2 (times scale_log2) and, unless the tile is open (every slot visible

@@ -61,17 +61,16 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads)
     const int32_t kv_head = blockIdx.y, split = blockIdx.z;
 
     const WarpRows rows = warp_rows<kHeadDim>(p, kv_head, blockIdx.x * S::kRows);
-    QRegisters<kHeadDim, 1> q_frag;
-    q_frag.load(p, rows, 0);
+    uint32_t q_frag[S::kDimSteps][4];
+    load_q<kHeadDim>(p, rows, q_frag);
     int32_t min_q_pos, max_q_pos;
-    cta_q_pos_range<S::kWarps>(&rows, min_q_pos, max_q_pos);
+    cta_q_pos_range<S::kWarps>(rows, min_q_pos, max_q_pos);
     if (!__syncthreads_and(rows.valid[0] && rows.valid[1])) min_q_pos = INT32_MIN; // padding rows: mask every tile
 
     float run_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, run_sum[2] = {0.0f, 0.0f}; // sums lane-partial
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
-        float tiles_s[1][S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
-        tile_scores<T, kHeadDim, 1>(q_frag, k_tile, tiles_s);
-        float (&s)[S::kKeyTiles][4] = tiles_s[0];
+        float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
+        tile_scores<T, kHeadDim, S::kWarps>(q_frag, k_tile, s);
         scale_and_mask<S::kKeyTiles>(s, view, rows, tile_pos, min(S::kKeys, p.n_tokens - tile * S::kKeys),
                                      p.scale_log2, tile_max);
         rescale_running(tile_max, run_max, run_sum, ref, alpha);

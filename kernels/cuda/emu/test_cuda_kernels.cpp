@@ -758,51 +758,6 @@ void test_topk_grid() {
                 if (k >= 0 && (n <= 5000 || k == n / 10)) test_topk(n, k, kind, workspace);
 }
 
-// The tensor-core attention (attention_mma.cu) in the variant CONDUIT_MMA_ROWS picks (run_emu.py
-// runs this grid again with CONDUIT_MMA_ROWS=32: 4 warps of two m16 row tiles, 128 rows a CTA).
-void test_mma_attention_grid() {
-    const int blocks[] = {1, 4, 16, 64, 256};
-    const int groups[] = {1, 2, 3, 7, 8, 12};
-    // Many queries, bf16/f16, head_dim 64/128: the tensor-core path (attention_mma.cu); key counts
-    // around the 64-slot tile, rows around the 64-row CTA tile.
-    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
-        for (int d : {64, 128}) {
-            test_attention(t, 2, 4, d, blocks[randint(0, 2)], 300, 65, false);
-            test_attention(t, 1, groups[randint(0, 5)], d, 32, 63, 16, randint(0, 1));
-            test_attention(t, 2, 1, d, 1, 130, 70, false, Layout::kCausalChunk);
-            test_attention(t, 1, 8, d, 256, 65, 24, false, Layout::kCausalChunk);
-        }
-    test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 20, false); // no keys at all
-    test_attention(kc::DType::F16, 1, 3, 64, 2, 1, 17, false);
-    test_attention(kc::DType::BF16, 1, 2, 64, 8, 300, 300, false, Layout::kCausalChunk);  // early CTAs skip whole key tiles
-    test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, Layout::kCausalChunk); // 2 splits of 3 and 2 tiles
-    test_mma_split_grid();
-    // The ring of key-tile stages (attention_mma_tile.cuh, 3 stages): one and two tiles (fewer than
-    // the stages), hidden tiles between seen ones (the ring's stage of a skipped tile stays stale),
-    // every tile hidden; then CTAs of 8 warps (8 or more of them: the emulator reports 4 SMs).
-    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
-        for (int d : {64, 128}) {
-            test_attention(t, 1, 4, d, 16, 40, 20, false);
-            test_attention(t, 2, 2, d, 4, 100, 40, false, Layout::kCausalChunk);
-            test_attention(t, 1, 2, d, 16, 320, 40, false, Layout::kRandom, 0b00100);
-            test_attention(t, 1, 1, d, 8, 450, 70, false, Layout::kCausalChunk, 0b0100110);
-            test_attention(t, 1, 4, d, 16, 200, 20, false, randint(0, 1) ? Layout::kCausalChunk : Layout::kRandom,
-                           ~0ull);
-        }
-    test_attention(kc::DType::BF16, 4, 2, 128, 16, 200, 128, false, Layout::kCausalChunk);
-    test_attention(kc::DType::F16, 4, 2, 64, 16, 330, 128, false, Layout::kRandom, 0b01010);
-    // Around the 128 rows of a 32-rows-a-warp CTA: fewer rows than a CTA (its second row tile of
-    // every warp, or whole warps, padding), rows that end inside a warp's second tile, several CTAs
-    // with a partial last one; GQA rows of one query split across row tiles and warps; scattered
-    // queries (rows of one CTA see different keys), splits, lse.
-    test_attention(kc::DType::BF16, 1, 1, 128, 16, 500, 20, false, Layout::kRecompute);    // 20 rows of 128
-    test_attention(kc::DType::F16, 2, 3, 64, 8, 260, 33, true, Layout::kCausalChunk);     // 99 rows: warp 3 has 3
-    test_attention(kc::DType::BF16, 1, 5, 128, 4, 700, 61, false, Layout::kRecompute);    // 305 rows: 3 CTAs, splits
-    test_attention(kc::DType::F16, 2, 8, 128, 64, 1100, 40, false, Layout::kCausalChunk); // 320 rows, GQA 8, splits
-    test_attention(kc::DType::BF16, 1, 2, 64, 16, 900, 200, false, Layout::kRandom, 0b0101000); // hidden tiles
-    test_attention(kc::DType::F16, 1, 1, 128, 32, 3000, 17, false, Layout::kRecompute);   // one CTA, many splits
-}
-
 } // namespace
 
 int main(int argc, char **argv) {
@@ -814,11 +769,6 @@ int main(int argc, char **argv) {
     if (argc > 1 && std::string(argv[1]) == "split") { // only the split tensor-core attention (for iterating on it)
         test_mma_split_grid();
         std::printf("split: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    if (argc > 1 && std::string(argv[1]) == "mma") { // only the tensor-core attention (run_emu.py: 32 rows a warp)
-        test_mma_attention_grid();
-        std::printf("mma: %d checks, %d failures\n", checks, failures);
         return failures == 0 ? 0 : 1;
     }
     if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grids (run_emu.py: both paths, both merges)
@@ -852,7 +802,34 @@ int main(int argc, char **argv) {
     test_attention(kc::DType::F16, 2, 12, 128, 16, 0, 2, false); // no keys at all
     test_attention(kc::DType::BF16, 2, 4, 128, 16, 200, 24, false, Layout::kCausalChunk);
     test_attention(kc::DType::F32, 1, 7, 64, 4, 90, 90, false, Layout::kCausalChunk);
-    test_mma_attention_grid();
+    // Many queries, bf16/f16, head_dim 64/128: the tensor-core path (attention_mma.cu); key counts
+    // around the 64-slot tile, rows around the 64-row CTA tile.
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            test_attention(t, 2, 4, d, blocks[randint(0, 2)], 300, 65, false);
+            test_attention(t, 1, groups[randint(0, 5)], d, 32, 63, 16, randint(0, 1));
+            test_attention(t, 2, 1, d, 1, 130, 70, false, Layout::kCausalChunk);
+            test_attention(t, 1, 8, d, 256, 65, 24, false, Layout::kCausalChunk);
+        }
+    test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 20, false); // no keys at all
+    test_attention(kc::DType::F16, 1, 3, 64, 2, 1, 17, false);
+    test_attention(kc::DType::BF16, 1, 2, 64, 8, 300, 300, false, Layout::kCausalChunk);  // early CTAs skip whole key tiles
+    test_attention(kc::DType::F16, 2, 1, 128, 64, 260, 200, true, Layout::kCausalChunk); // 2 splits of 3 and 2 tiles
+    test_mma_split_grid();
+    // The ring of key-tile stages (attention_mma_tile.cuh, 3 stages): one and two tiles (fewer than
+    // the stages), hidden tiles between seen ones (the ring's stage of a skipped tile stays stale),
+    // every tile hidden; then CTAs of 8 warps (8 or more of them: the emulator reports 4 SMs).
+    for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
+        for (int d : {64, 128}) {
+            test_attention(t, 1, 4, d, 16, 40, 20, false);
+            test_attention(t, 2, 2, d, 4, 100, 40, false, Layout::kCausalChunk);
+            test_attention(t, 1, 2, d, 16, 320, 40, false, Layout::kRandom, 0b00100);
+            test_attention(t, 1, 1, d, 8, 450, 70, false, Layout::kCausalChunk, 0b0100110);
+            test_attention(t, 1, 4, d, 16, 200, 20, false, randint(0, 1) ? Layout::kCausalChunk : Layout::kRandom,
+                           ~0ull);
+        }
+    test_attention(kc::DType::BF16, 4, 2, 128, 16, 200, 128, false, Layout::kCausalChunk);
+    test_attention(kc::DType::F16, 4, 2, 64, 16, 330, 128, false, Layout::kRandom, 0b01010);
     std::printf("attention: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     test_stats_grid();
