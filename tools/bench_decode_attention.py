@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""The decode attention of the library at CONDUIT_LIB, on a GPU: ``conduit bench``'s decode rows alone.
+
+Shapes: one query per sequence over 32K and 128K keys, 16 sequences of 8K (32 heads over 8 KV heads,
+bf16, a ``DecodeStep`` as the runtime's decode), and LLaVA-7B's multi-head decode at a 4K context
+(32 KV heads, the CUDA-core kernel). Each is timed (device time, median, L2 flushed), checked
+against a float32 reference and compared with torch SDPA's fastest backend. Run it once per build to
+A/B kernel changes on one machine (a build's decode rows moved 16% between libraries whose decode
+kernel had the same PTX loop; only a same-machine A/B separates that from the machine):
+
+    CONDUIT_LIB=/path/a/libconduit.so python3 tools/bench_decode_attention.py --out a.json --label a
+    CONDUIT_LIB=/path/b/libconduit.so python3 tools/bench_decode_attention.py --out b.json --label b
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from conduit_rt.bench.config import KernelSizes
+from conduit_rt.bench.kernels import KernelBench
+from conduit_rt.bench.timing import Timer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_decode_attention.json")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run, host clock)")
+    args = parser.parse_args()
+    timer = Timer(torch.device(args.device), repeat=20 if args.device == "cuda" else 1)
+    gqa = KernelBench(timer, KernelSizes(), torch.bfloat16)
+    mha = KernelBench(timer, dataclasses.replace(KernelSizes(), n_kv_heads=32), torch.bfloat16)
+    rows = {
+        "1 x 32K (GQA)": gqa.decode(32768),
+        "1 x 128K (GQA)": gqa.decode(131072),
+        "16 x 8K (GQA)": gqa.decode(8192, 16),
+        "1 x 4K (MHA)": mha.decode(4096),
+    }
+    print(f"{'shape':16s} {'us':>8s} {'GB/s':>8s} {'SDPA us':>8s} {'backend':>8s} {'rel err':>8s}")
+    for name, r in rows.items():
+        timed = {k: v for k, v in r["sdpa"].items() if "seconds" in v}
+        best = min(timed, key=lambda k: timed[k]["seconds"])
+        print(f"{name:16s} {r['seconds'] * 1e6:8.1f} {r['bytes_per_s'] / 1e9:8.0f} "
+              f"{timed[best]['seconds'] * 1e6:8.1f} {best:>8s} {r['rel_err']:8.1e}")
+    with open(args.out, "w") as f:
+        json.dump({"label": args.label, "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
