@@ -13,9 +13,10 @@ launches a layer) takes longer than that. ``GraphedDecoder`` records the step on
 
 Per token: ``DecodeStep.prepare`` (host: append the token's slot, patch the step's device tables),
 fill the inputs, replay. The token may be a device tensor (the sampler's output): nothing here waits
-for the GPU, so the Runtime enqueues step i + 1 while step i runs. Before the first capture, one eager step over a scratch one-token sequence
-warms cuBLAS and the caching allocator (capture must not be their first use), so every real step
-is a replay. A sequence longer than the step's capacity gets a larger step and a new capture.
+for the GPU, so the Runtime enqueues step i + 1 while step i runs. Before the first capture, one
+eager step over a scratch one-token sequence warms cuBLAS and the caching allocator (capture must
+not be their first use), so every real step is a replay. A sequence longer than the step's capacity
+gets a larger step and a new capture.
 """
 from __future__ import annotations
 

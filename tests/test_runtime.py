@@ -132,7 +132,8 @@ def test_a_session_keeps_what_it_decoded_however_the_answer_ends(runtime, monkey
     if finish == "eos":  # the token at step 4 becomes an end-of-sequence token (not seen before it)
         if free.tokens[4] in free.tokens[:4]:
             pytest.skip("the random model repeated its fifth token earlier")
-        monkeypatch.setattr(runtime, "assets", dataclasses.replace(runtime.assets, eos_token_ids=frozenset({free.tokens[4]})))
+        eos = frozenset({free.tokens[4]})
+        monkeypatch.setattr(runtime, "assets", dataclasses.replace(runtime.assets, eos_token_ids=eos))
     if finish == "stop":
         stop = runtime.assets.tokenizer.decode(free.tokens[4:5])
         if not stop.strip() or stop in runtime.assets.tokenizer.decode(free.tokens[:4]):
