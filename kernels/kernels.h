@@ -146,8 +146,10 @@ CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
     /* Decode-step attention: q [n_seqs, n_heads, head_dim], one query per sequence, over EVERY stored  \
        token of its sequence (no position mask: a decode query comes after all of them); out like q,   \
        lse float32 [n_seqs, n_heads] or null. workspace: batch_attention_workspace_bytes(kv, n_heads)   \
-       bytes of device memory for split partials. The launch depends on n_seqs and max_tokens only, not \
-       on the lengths, so one captured launch serves every step. */                                       \
+       bytes of device memory for split partials and arrival counters; on CUDA zero-filled before its   \
+       first use (each call leaves the counters zero; one workspace serves every n_seqs whose size it   \
+       holds). The launch depends on n_seqs and max_tokens only, not on the lengths, so one captured    \
+       launch serves every step. */                                                                       \
     void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,     \
                          float *lse, void *workspace, size_t workspace_bytes, void *stream);              \
     size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads);                        \
@@ -174,6 +176,7 @@ void device_free(void *ptr, int32_t device);
 void memcpy_d2d(void *dst, const void *src, size_t bytes, void *stream);
 void memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream);
 void memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream);
+void memset_zero(void *dst, size_t bytes, void *stream); // bytes of device memory set to 0 on the stream
 void set_device(int32_t device);
 int32_t device_count(); // 0 when there is no driver or no device; never throws
 void synchronize(void *stream);

@@ -1,8 +1,11 @@
 // attention.cu: the CUDA attention: picks the kernel instantiation for the dtype, head_dim and GQA
 // group (attention_shape.cuh), the number of KV splits, and where the split partials go (the stream
-// workspace of runtime.cu), then merges the splits by their log-sum-exp. If that workspace cannot be
-// allocated, the call falls back to a single split: slower, same result. batch_attention (a decode
-// step over a batch of sequences) plans its splits from the batch's shape alone and takes its
+// workspace of runtime.cu), then merges the splits by their log-sum-exp (attention_merge.cuh): the
+// CUDA-core and tensor-core decode kernels in the last CTA of each row group, on arrival counters
+// (the stream's counters of runtime.cu), the tensor-core attention of many queries in a second
+// launch. If the workspace cannot be allocated, the call falls back to a single split; if the
+// counters cannot, to the second launch: slower, same result. batch_attention (a decode step over a
+// batch of sequences) plans its splits from the batch's shape alone and takes its counters and
 // partials from the caller's workspace, so that it allocates nothing and can be graph-captured.
 // Many queries take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA
 // group, bf16/f16 and head_dim 64/128, the tensor-core decode kernel (attention_mma_decode.cu).
@@ -22,87 +25,25 @@ namespace conduit::kernels::cuda {
 namespace {
 
 constexpr int32_t kMaxSplits = 128;
+static_assert(kMaxSplits <= kMergeThreads, "merge_split_rows takes one split per thread");
 
 // Slots a key split of the tensor-core attention should stream at least (4 of its 64-slot tiles): a
 // split pays for its Q fragments, a pipeline that starts cold, a float partial per row and its share
 // of the merge, which stay small beside 4 or more tiles of Q K^T and P V.
 constexpr int32_t kMinMmaSplitKeys = 256;
 
-constexpr int kMergeThreads = 128;
-
-// Reduces x over the CTA (kMergeThreads threads) with op; every thread gets the result.
-template <typename Op> __device__ __forceinline__ float merge_reduce(float x, Op op, float *scratch) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    __syncthreads(); // scratch may still be read from a previous reduction
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-    __syncthreads();
-    x = scratch[0];
-#pragma unroll
-    for (int w = 1; w < kMergeThreads / 32; ++w) x = op(x, scratch[w]);
-    return x;
-}
-
-// One CTA per (query, head): out = sum_s exp(lse_s - lse) * partial_s, lse = logsumexp_s(lse_s).
-// The weights are computed once into shared memory; then the threads form `groups` teams of
-// head_dim / 4 threads, team g summing float4 columns of splits g, g + groups, ... (independent
-// loads, many in flight: a long decode has ~66 splits per head, which one thread per column would
-// read one after another), and the teams' sums are added through shared memory. Empty splits
-// (weight 0) are not read. Dynamic shared memory: merge_smem_floats(n_splits, head_dim) floats.
+// One CTA per (query, head) row: merge_split_rows (attention_merge.cuh) over its splits. Dynamic
+// shared memory: merge_row_floats(n_splits, head_dim) floats.
 template <typename T> __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const AttentionParams p) {
-    extern __shared__ float merge_smem[];
-    __shared__ float scratch[kMergeThreads / 32];
-    const int32_t n_splits = p.n_splits, head_dim = p.head_dim;
-    float *weight = merge_smem;                                   // [n_splits]
-    float *team_sum = merge_smem + (n_splits + 3) / 4 * 4;        // [groups, head_dim]
-    const int64_t head_row = blockIdx.x;
-    const float *part_lse = p.partial_lse + head_row * n_splits;
-    float max_lse = -CUDART_INF_F;
-    for (int32_t s = threadIdx.x; s < n_splits; s += kMergeThreads) max_lse = fmaxf(max_lse, part_lse[s]);
-    max_lse = merge_reduce(max_lse, [](float a, float b) { return fmaxf(a, b); }, scratch);
-    const float ref = max_lse == -CUDART_INF_F ? 0.0f : max_lse;
-    float total = 0.0f;
-    for (int32_t s = threadIdx.x; s < n_splits; s += kMergeThreads) {
-        weight[s] = expf(part_lse[s] - ref);
-        total += weight[s];
-    }
-    total = merge_reduce(total, [](float a, float b) { return a + b; }, scratch); // also orders weight[]
-
-    const int32_t columns = head_dim / 4, groups = kMergeThreads / columns;
-    const int32_t column = threadIdx.x % columns, team = threadIdx.x / columns;
-    const float4 *rows = reinterpret_cast<const float4 *>(p.partial_out + head_row * n_splits * head_dim);
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int32_t s = team; team < groups && s < n_splits; s += groups) {
-        const float w = weight[s];
-        if (w == 0.0f) continue;
-        const float4 v = rows[int64_t(s) * columns + column];
-        acc.x = fmaf(w, v.x, acc.x);
-        acc.y = fmaf(w, v.y, acc.y);
-        acc.z = fmaf(w, v.z, acc.z);
-        acc.w = fmaf(w, v.w, acc.w);
-    }
-    if (team < groups) reinterpret_cast<float4 *>(team_sum + team * head_dim)[column] = acc;
-    __syncthreads();
-    const bool empty = total == 0.0f;
-    const float inv = empty ? 0.0f : 1.0f / total;
-    for (int32_t d = threadIdx.x; d < head_dim; d += kMergeThreads) {
-        float value = 0.0f;
-        for (int32_t g = 0; g < groups; ++g) value += team_sum[g * head_dim + d];
-        static_cast<T *>(p.out)[head_row * head_dim + d] = from_float<T>(value * inv);
-    }
-    if (threadIdx.x == 0 && p.lse) p.lse[head_row] = empty ? -CUDART_INF_F : max_lse + logf(total);
+    extern __shared__ float4 merge_smem[];
+    merge_split_rows<T>(p, blockIdx.x, 1, reinterpret_cast<float *>(merge_smem), merge_row_floats(p.n_splits, p.head_dim));
 }
 
-// Floats of dynamic shared memory merge_splits_kernel needs.
-size_t merge_smem_floats(int32_t n_splits, int32_t head_dim) {
-    const int32_t groups = kMergeThreads / (head_dim / 4);
-    return size_t((n_splits + 3) / 4 * 4) + size_t(groups) * head_dim;
-}
-
-// Merges p's split partials into out and lse (a single split wrote them itself).
+// Merges p's split partials into out and lse, unless the split kernel did (p.split_counters) or a
+// single split wrote them itself.
 template <typename T> void merge_splits(const AttentionParams &p, cudaStream_t stream) {
-    if (p.n_splits <= 1) return;
-    const size_t smem = merge_smem_floats(p.n_splits, p.head_dim) * sizeof(float);
+    if (p.n_splits <= 1 || p.split_counters) return;
+    const size_t smem = size_t(merge_row_floats(p.n_splits, p.head_dim)) * sizeof(float);
     merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), kMergeThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH("merge_splits_kernel");
 }
@@ -143,18 +84,37 @@ void place_partials(AttentionParams &p, char *ws) {
     p.partial_lse = reinterpret_cast<float *>(ws + (partials * p.head_dim * sizeof(float) + 255) / 256 * 256);
 }
 
-// Points p's partials (when it has several splits) into the stream's workspace; if that cannot be
-// allocated, falls back to one split per CTA, which still gives the exact answer.
-void place_stream_partials(AttentionParams &p, cudaStream_t stream) {
+// Whether the split kernels that can (the CUDA-core and tensor-core decode ones) merge their splits
+// in their last CTA: CONDUIT_LAST_CTA_MERGE=0 in the environment (read once) keeps the second launch
+// (merge_splits_kernel), for A/B runs. Both give the same bits.
+bool merge_in_last_cta() {
+    static const bool enabled = env_not_zero("CONDUIT_LAST_CTA_MERGE");
+    return enabled;
+}
+
+// Bytes of arrival counters for n_groups row groups (the CTAs of one split), 256-byte aligned.
+size_t counters_bytes(int64_t n_groups) { return (size_t(n_groups) * sizeof(uint32_t) + 255) / 256 * 256; }
+
+// Points p's partials (when it has several splits) into the stream's workspace, and with
+// `last_cta_merge` (a kernel that merges in its last CTA, if enabled) its arrival counters, one per
+// CTA of a split, into the stream's counters. If the partials cannot be allocated, falls back to one
+// split per CTA; if the counters cannot, to the merge kernel: slower, the same answer.
+void place_stream_partials(AttentionParams &p, cudaStream_t stream, bool last_cta_merge) {
     if (p.n_splits <= 1) return;
     const size_t bytes = partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits);
     char *ws = static_cast<char *>(stream_workspace(bytes, stream));
-    if (ws) {
-        place_partials(p, ws);
-    } else {
+    if (!ws) {
         p.split_tokens = std::max(p.n_tokens, 1);
         p.n_splits = 1;
+        return;
     }
+    place_partials(p, ws);
+    // Made on every split path, so that a warm-up that splits at all makes them before a CUDA graph
+    // is captured (then they grow no more: a split's CTAs are fewer than one wave, far below the
+    // 16K counters of the first allocation).
+    const bool use = last_cta_merge && merge_in_last_cta();
+    uint32_t *counters = stream_counters(use ? size_t(p.n_q) * p.n_kv_heads * p.head_tiles : 1, stream);
+    if (use) p.split_counters = counters;
 }
 
 // CTAs of one split-KV instantiation resident on the device at once: its occupancy per SM (registers,
@@ -203,16 +163,36 @@ int32_t splits_for(int64_t base_ctas, int64_t resident, int64_t n_tokens, int32_
     return int32_t(std::clamp<int64_t>(resident / base_ctas, 1, std::min<int64_t>(by_length, kMaxSplits)));
 }
 
-// Splits of a decode step over a batch: planned on the capacity (max_tokens), not the lengths, so that
-// a captured launch stays right as the sequences grow.
-int32_t batch_splits(const BatchView &kv, int32_t n_heads) {
+// The split plan of a decode step over a batch: planned on the capacity (max_tokens), not the
+// lengths, so that a captured launch stays right as the sequences grow.
+struct BatchPlan {
+    int64_t base_ctas;     // CTAs of one split: sequences x KV heads (x head tiles), one counter each
+    int64_t resident_ctas; // one wave of the kernel's CTAs
+    int32_t n_splits;
+};
+
+BatchPlan batch_plan(const BatchView &kv, int32_t n_heads) {
     const int32_t group = n_heads / kv.n_kv_heads;
-    if (decode_mma_applies(kv.dtype, kv.head_dim, group)) // one CTA holds the whole group of a KV head
-        return splits_for(int64_t(kv.n_seqs) * kv.n_kv_heads, decode_mma_resident_ctas(kv.dtype, kv.head_dim, group),
-                          kv.max_tokens, kMinSplitTokens);
-    const int32_t head_tiles = (group + group_tile_for(group) - 1) / group_tile_for(group);
-    const int64_t base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads * head_tiles;
-    return splits_for(base_ctas, resident_ctas_for(kv.dtype, kv.head_dim, group), kv.max_tokens, kMinSplitTokens);
+    BatchPlan plan{};
+    if (decode_mma_applies(kv.dtype, kv.head_dim, group)) { // one CTA holds the whole group of a KV head
+        plan.base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads;
+        plan.resident_ctas = decode_mma_resident_ctas(kv.dtype, kv.head_dim, group);
+    } else {
+        const int32_t head_tiles = (group + group_tile_for(group) - 1) / group_tile_for(group);
+        plan.base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads * head_tiles;
+        plan.resident_ctas = resident_ctas_for(kv.dtype, kv.head_dim, group);
+    }
+    plan.n_splits = splits_for(plan.base_ctas, plan.resident_ctas, kv.max_tokens, kMinSplitTokens);
+    return plan;
+}
+
+// A batch step's workspace: arrival counters for one wave of CTAs, then the partials. The keys split
+// only while a split's CTAs (one counter each) are fewer than one wave (splits_for), so the counters
+// fit, and they sit at the same place for every batch size a step plans: the partials of one size
+// never overwrite the counters of another. Zero for one split.
+size_t batch_workspace_bytes(const BatchView &kv, const BatchPlan &plan, int32_t n_heads) {
+    if (plan.n_splits <= 1) return 0;
+    return counters_bytes(plan.resident_ctas) + partials_bytes(kv.n_seqs, n_heads, kv.head_dim, plan.n_splits);
 }
 
 // Sets p.split_tokens and p.n_splits for a kernel that launches base_ctas CTAs per split (see
@@ -279,7 +259,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
         const int warps = mma_warps_for(p);
         plan_splits_of(p, mma_attention_base_ctas(p, warps), kMmaTileKeys, kMinMmaSplitKeys,
                        mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * mma_split_waves());
-        place_stream_partials(p, as_stream(stream));
+        place_stream_partials(p, as_stream(stream), false);
         launch_mma_attention_and_merge(p, kv.dtype, warps, as_stream(stream));
         return;
     }
@@ -288,7 +268,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     if (n_q == 1 && decode_mma_applies(kv.dtype, p.head_dim, p.group)) {
         p.head_tiles = 1;
         plan_splits(p, kDecodeMmaTileKeys, kMinSplitTokens, decode_mma_resident_ctas(kv.dtype, p.head_dim, p.group));
-        place_stream_partials(p, as_stream(stream));
+        place_stream_partials(p, as_stream(stream), true);
         launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream));
         return;
     }
@@ -298,7 +278,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
             using Sh = decltype(shape);
             plan_splits(p, AttnShape<T, Sh::lanes, Sh::per_lane, Sh::group_tile>::kTileRows, kMinSplitTokens,
                         resident_ctas<T, Sh::lanes, Sh::per_lane, Sh::group_tile>());
-            place_stream_partials(p, as_stream(stream));
+            place_stream_partials(p, as_stream(stream), true);
             launch_split_kv<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, as_stream(stream));
         });
     });
@@ -306,7 +286,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
 
 size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads) {
     if (kv.n_seqs <= 0 || kv.n_kv_heads <= 0 || n_heads < kv.n_kv_heads) return 0;
-    return partials_bytes(kv.n_seqs, n_heads, kv.head_dim, batch_splits(kv, n_heads));
+    return batch_workspace_bytes(kv, batch_plan(kv, n_heads), n_heads);
 }
 
 void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out, float *lse,
@@ -322,11 +302,15 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
     p.trim_to_visible = false;
     p.out = out;
     p.lse = lse;
-    p.n_splits = batch_splits(kv, n_heads);
+    const BatchPlan plan = batch_plan(kv, n_heads);
+    p.n_splits = plan.n_splits;
     if (p.n_splits > 1) {
-        require(workspace && workspace_bytes >= partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits),
+        require(workspace && workspace_bytes >= batch_workspace_bytes(kv, plan, n_heads),
                 "batch attention: workspace too small");
-        place_partials(p, static_cast<char *>(workspace));
+        require(plan.base_ctas <= plan.resident_ctas, "batch attention: more row groups than counters");
+        char *ws = static_cast<char *>(workspace);
+        place_partials(p, ws + counters_bytes(plan.resident_ctas));
+        if (merge_in_last_cta()) p.split_counters = reinterpret_cast<uint32_t *>(ws);
     }
     if (decode_mma_applies(kv.dtype, p.head_dim, p.group)) {
         launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream));

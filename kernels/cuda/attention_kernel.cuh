@@ -13,13 +13,16 @@
 //   3. fp32 online softmax in base 2 per row group; row groups, then warps, are merged at the end
 //      by their (max, sum) pairs.
 // A key is visible when positions[slot] <= q_pos (every key when positions is null: a decode step);
-// a query seeing nothing gets out = 0, lse = -inf. For a decode step over a batch of sequences
+// a query seeing nothing gets out = 0, lse = -inf. With several splits a CTA writes its partials,
+// and with p.split_counters the last split of each (query, head tile) merges them
+// (attention_merge.cuh). For a decode step over a batch of sequences
 // (p.seq_n_tokens set), query x reads its own sequence: its length, block table and split size are
 // read on the device, so the grid depends only on the batch and its capacity.
 #pragma once
 
 #include <math_constants.h>
 
+#include "attention_merge.cuh"
 #include "attention_shape.cuh"
 
 namespace conduit::kernels::cuda {
@@ -307,6 +310,9 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
             if (d == 0) p.partial_lse[part] = lse;
         }
     }
+    if (p.n_splits > 1 && p.split_counters) // the tile buffers are free again
+        merge_if_last_split<T>(p, int64_t(qi) * p.n_heads + first_head, n_my_heads, reinterpret_cast<float *>(smem),
+                               S::kSmemChunks * 4); // floats of the uint4 chunks
 }
 
 } // namespace conduit::kernels::cuda

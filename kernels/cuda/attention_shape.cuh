@@ -33,6 +33,9 @@ struct AttentionParams {
     float *partial_lse;     // [n_q, n_heads, n_splits] float32: attention's, when n_splits > 1, natural
                             // log; attention_stats pass 1's, base 2 (of scores * log2 e)
     float *partial_max;     // [n_q, n_heads, n_splits] float32, base-2 score max (attention_stats pass 1)
+    uint32_t *split_counters; // [n_q * gridDim.y] or null: the split kernels that take them
+                              // (attention_merge.cuh) merge in the last CTA of each row group; zero
+                              // before the launch, zero after it. Null: the caller merges (attention.cu)
     int32_t n_splits;
     int32_t split_tokens;   // slots per split, a multiple of the tile rows (with seq_n_tokens: derived per
                             // query from its length by split_tokens_for)

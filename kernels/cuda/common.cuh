@@ -65,6 +65,12 @@ int32_t sm_count();
 // enqueued on that stream may use it without further synchronisation.
 void *stream_workspace(size_t bytes, cudaStream_t stream);
 
+// At least `count` arrival counters for (current device, stream), all zero before the first kernel
+// that uses them, or null when the device is out of memory (runtime.cu). Grow-only and zero-filled
+// (on the stream) when made: kernels that take counters must leave them zero. Valid until the next
+// call for the same stream.
+uint32_t *stream_counters(size_t count, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // Scalar conversions
 // ---------------------------------------------------------------------------------------------

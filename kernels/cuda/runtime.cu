@@ -4,9 +4,10 @@
 // pinned ring (see PinnedRing), so the host buffer may be reused as soon as the call returns and the
 // host never waits for the stream; device-to-host copies go to pageable memory and are synchronous.
 //
-// Kernel workspace (stream_workspace): a grow-only device buffer cached per (device, stream) and
-// reused by every later call on that stream. Reuse is safe because work on one stream runs in
-// order; when the buffer must grow, the stream is synchronized before the old buffer is freed.
+// Kernel workspace (stream_workspace) and arrival counters (stream_counters, zero-filled when made;
+// the kernels leave them zero): grow-only device buffers cached per (device, stream) and reused by
+// every later call on that stream. Reuse is safe because work on one stream runs in order; when a
+// buffer must grow, the stream is synchronized before the old buffer is freed.
 // Consequences: (1) the first call with a larger workload allocates and synchronizes, so warm up
 // before capturing a CUDA graph; (2) two threads must not enqueue on the same stream at once (the
 // arena's one-thread rule already says so); (3) the buffers live until the process exits, on
@@ -70,6 +71,11 @@ void device_free(void *ptr, int32_t device) {
 
 void memcpy_d2d(void *dst, const void *src, size_t bytes, void *stream) {
     copy_async(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+
+void memset_zero(void *dst, size_t bytes, void *stream) {
+    if (bytes == 0) return;
+    CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, as_stream(stream)));
 }
 
 namespace {
@@ -175,22 +181,27 @@ int32_t sm_count() {
     return sms > 0 ? sms : 1;
 }
 
-void *stream_workspace(size_t bytes, cudaStream_t stream) {
-    struct Buffer {
-        void *ptr = nullptr;
-        size_t bytes = 0;
-    };
+namespace {
+
+struct StreamBuffer {
+    void *ptr = nullptr;
+    size_t bytes = 0;
+};
+
+// The buffer of (current device, stream) in `cache`, grown to at least `bytes` (and zero-filled on
+// the stream when `zeroed` and made), or null when the device is out of memory.
+void *stream_buffer(std::map<std::pair<int, cudaStream_t>, StreamBuffer> &cache, size_t bytes, cudaStream_t stream,
+                    bool zeroed) {
     static std::mutex mutex;
-    static auto *cache = new std::map<std::pair<int, cudaStream_t>, Buffer>(); // never freed, see above
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     std::lock_guard<std::mutex> lock(mutex);
-    Buffer &buffer = (*cache)[{device, stream}];
+    StreamBuffer &buffer = cache[{device, stream}];
     if (buffer.bytes >= bytes) return buffer.ptr;
     if (buffer.ptr) {
         CUDA_CHECK(cudaStreamSynchronize(stream)); // earlier kernels on this stream may still use it
         CUDA_CHECK(cudaFree(buffer.ptr));
-        buffer = Buffer{};
+        buffer = StreamBuffer{};
     }
     const size_t want = bytes < 65536 ? 65536 : bytes + bytes / 2;
     void *ptr = nullptr;
@@ -200,8 +211,25 @@ void *stream_workspace(size_t bytes, cudaStream_t stream) {
         return nullptr;
     }
     CUDA_CHECK(err);
-    buffer = Buffer{ptr, want};
+    if (zeroed) {
+        const cudaError_t set = cudaMemsetAsync(ptr, 0, want, stream);
+        if (set != cudaSuccess) (void)cudaFree(ptr);
+        CUDA_CHECK(set);
+    }
+    buffer = StreamBuffer{ptr, want};
     return ptr;
+}
+
+} // namespace
+
+void *stream_workspace(size_t bytes, cudaStream_t stream) {
+    static auto *cache = new std::map<std::pair<int, cudaStream_t>, StreamBuffer>(); // never freed, see above
+    return stream_buffer(*cache, bytes, stream, false);
+}
+
+uint32_t *stream_counters(size_t count, cudaStream_t stream) {
+    static auto *cache = new std::map<std::pair<int, cudaStream_t>, StreamBuffer>(); // never freed, see above
+    return static_cast<uint32_t *>(stream_buffer(*cache, count * sizeof(uint32_t), stream, true));
 }
 
 } // namespace conduit::kernels::cuda

@@ -119,6 +119,15 @@ void Device::upload(void *dst, const void *src, size_t bytes, void *stream) cons
     std::memcpy(dst, src, bytes);
 }
 
+void Device::zero(void *dst, size_t bytes, void *stream) const {
+    if (bytes == 0) return;
+#ifdef CONDUIT_WITH_CUDA
+    if (is_cuda()) return kc::cuda::memset_zero(dst, bytes, stream);
+#endif
+    (void)stream;
+    std::memset(dst, 0, bytes);
+}
+
 void Device::write_dense(const kc::LayerView &dst, kc::Slots slots, int32_t n, const void *k, const void *v,
                          const kc::Rope &rope, const int32_t *rope_pos, void *stream) const {
     CONDUIT_DISPATCH(write_dense(dst, slots, n, k, v, rope, rope_pos, stream));

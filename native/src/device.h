@@ -33,6 +33,7 @@ class Device {
     void give_ints(int32_t *ptr, size_t capacity) const;
     void copy(void *dst, const void *src, size_t bytes, void *stream) const;   // device -> device
     void upload(void *dst, const void *src, size_t bytes, void *stream) const; // host -> device
+    void zero(void *dst, size_t bytes, void *stream) const;                    // device bytes set to 0
 
     void write_dense(const kernels::LayerView &dst, kernels::Slots slots, int32_t n, const void *k, const void *v,
                      const kernels::Rope &rope, const int32_t *rope_pos, void *stream) const;

@@ -80,6 +80,7 @@ conduit_step *step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_to
     step->state = static_cast<int32_t *>(arena->device.alloc(size_t(total) * sizeof(int32_t)));
     try {
         step->workspace = step->workspace_bytes ? arena->device.alloc(step->workspace_bytes) : nullptr;
+        arena->device.zero(step->workspace, step->workspace_bytes, stream); // its counters: every launch leaves them zero
         arena->device.upload(step->state, step->mirror.data(), size_t(total) * sizeof(int32_t), stream);
     } catch (...) {
         arena->device.free(step->workspace);

@@ -18,7 +18,7 @@ struct conduit_step {
     // Device: block tables [n_layers, max_seqs, table_stride], then lengths [n_layers, max_seqs].
     int32_t *state = nullptr;
     std::vector<int32_t> mirror; // what `state` holds on the device, to upload only what changed
-    void *workspace = nullptr;   // device: split partials of batch attention
+    void *workspace = nullptr;   // device: split partials and arrival counters of batch attention (zeroed once)
     size_t workspace_bytes = 0;
 
     int64_t tables_ints() const;
