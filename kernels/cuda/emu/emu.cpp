@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <random>
 
 namespace emu {
 namespace {
@@ -203,6 +204,8 @@ void cp_wait(int pending) {
 
 int g_smem_limit = 0; // the largest dynamic shared memory a kernel opted into (cudaFuncSetAttribute)
 size_t g_malloc_limit = SIZE_MAX;
+int g_sm_count = 4;
+uint32_t g_block_order_seed = 0;
 
 void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body) {
     const int threads = int(block.x * block.y * block.z);
@@ -214,56 +217,64 @@ void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void
     static std::vector<Fiber> fibers(1024);
     g_run = run;
     g_body = body;
+    std::vector<dim3> order;
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                Block state;
-                state.barrier.count = threads;
-                state.dynamic.assign(smem, 0xff);
-                state.flags.assign(size_t(threads), 0);
-                state.warps.resize(size_t((threads + 31) / 32));
-                for (size_t w = 0; w < state.warps.size(); ++w) state.warps[w].barrier.count = std::min(32, threads - 32 * int(w));
-                for (int t = 0; t < threads; ++t) {
-                    Fiber &f = fibers[size_t(t)];
-                    if (!f.stack) f.stack.reset(new char[kStackBytes]);
-                    f.thread.thread_idx = dim3(unsigned(t) % block.x, unsigned(t) / block.x % block.y,
-                                               unsigned(t) / (block.x * block.y));
-                    f.thread.block_idx = dim3(x, y, z);
-                    f.thread.block_dim = block;
-                    f.thread.grid_dim = grid;
-                    f.thread.block = &state;
-                    f.thread.linear = t;
-                    f.groups.clear();
-                    f.open.clear();
-                    f.finished = false;
-                    f.waiting = false;
-                    getcontext(&f.context);
-                    f.context.uc_stack.ss_sp = f.stack.get();
-                    f.context.uc_stack.ss_size = kStackBytes;
-                    f.context.uc_link = nullptr;
-                    makecontext(&f.context, fiber_main, 0);
-                }
-                for (;;) {
-                    bool progressed = false, unfinished = false;
-                    for (int t = 0; t < threads; ++t) {
-                        Fiber &f = fibers[size_t(t)];
-                        if (f.finished) continue;
-                        unfinished = true;
-                        if (f.waiting) continue;
-                        g_current = &f;
-                        swapcontext(&g_scheduler, &f.context);
-                        progressed = true;
-                    }
-                    if (!unfinished) break;
-                    if (!progressed) {
-                        for (int t = 0; t < threads; ++t)
-                            if (!fibers[size_t(t)].finished)
-                                std::fprintf(stderr, "emu: deadlock: thread %d waits at %s\n", t, fibers[size_t(t)].waiting_at);
-                        std::abort();
-                    }
-                }
-                g_current = nullptr;
+            for (unsigned x = 0; x < grid.x; ++x) order.push_back(dim3(x, y, z));
+    if (g_block_order_seed) {
+        static uint32_t launches = 0;
+        std::mt19937 shuffle_rng(g_block_order_seed * 7919u + launches++);
+        std::shuffle(order.begin(), order.end(), shuffle_rng);
+    }
+    for (const dim3 &index : order) {
+        const unsigned x = index.x, y = index.y, z = index.z;
+        Block state;
+        state.barrier.count = threads;
+        state.dynamic.assign(smem, 0xff);
+        state.flags.assign(size_t(threads), 0);
+        state.warps.resize(size_t((threads + 31) / 32));
+        for (size_t w = 0; w < state.warps.size(); ++w) state.warps[w].barrier.count = std::min(32, threads - 32 * int(w));
+        for (int t = 0; t < threads; ++t) {
+            Fiber &f = fibers[size_t(t)];
+            if (!f.stack) f.stack.reset(new char[kStackBytes]);
+            f.thread.thread_idx = dim3(unsigned(t) % block.x, unsigned(t) / block.x % block.y,
+                                       unsigned(t) / (block.x * block.y));
+            f.thread.block_idx = dim3(x, y, z);
+            f.thread.block_dim = block;
+            f.thread.grid_dim = grid;
+            f.thread.block = &state;
+            f.thread.linear = t;
+            f.groups.clear();
+            f.open.clear();
+            f.finished = false;
+            f.waiting = false;
+            getcontext(&f.context);
+            f.context.uc_stack.ss_sp = f.stack.get();
+            f.context.uc_stack.ss_size = kStackBytes;
+            f.context.uc_link = nullptr;
+            makecontext(&f.context, fiber_main, 0);
+        }
+        for (;;) {
+            bool progressed = false, unfinished = false;
+            for (int t = 0; t < threads; ++t) {
+                Fiber &f = fibers[size_t(t)];
+                if (f.finished) continue;
+                unfinished = true;
+                if (f.waiting) continue;
+                g_current = &f;
+                swapcontext(&g_scheduler, &f.context);
+                progressed = true;
             }
+            if (!unfinished) break;
+            if (!progressed) {
+                for (int t = 0; t < threads; ++t)
+                    if (!fibers[size_t(t)].finished)
+                        std::fprintf(stderr, "emu: deadlock: thread %d waits at %s\n", t, fibers[size_t(t)].waiting_at);
+                std::abort();
+            }
+        }
+        g_current = nullptr;
+    }
 }
 
 } // namespace emu
@@ -302,7 +313,7 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int) {
-    *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0; // few SMs: small problems still split
+    *value = attr == cudaDevAttrMultiProcessorCount ? emu::g_sm_count : 0; // few SMs: small problems still split
     return cudaSuccess;
 }
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *, int, size_t) {

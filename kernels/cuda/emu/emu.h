@@ -3,7 +3,8 @@
 // shows). run_emu.py rewrites the kernel launches and dynamic shared memory of the .cu files, then
 // compiles them with g++ against this header.
 //
-// Model: the blocks of a grid run one after another; the threads of a block are fibers on one OS
+// Model: the blocks of a grid run one after another (in grid order, or shuffled: g_block_order_seed);
+// the threads of a block are fibers on one OS
 // thread (emu.cpp). __syncthreads and warp operations (__shfl_xor_sync, __any_sync, __all_sync,
 // __ballot_sync) are barriers, so a thread that skips one makes the emulator report a deadlock instead of hanging. `__shared__` becomes `static`
 // (one copy shared by the threads of the running block), dynamic shared memory is filled with
@@ -73,6 +74,11 @@ extern int g_smem_limit; // dynamic shared memory above 48 KiB that cudaFuncSetA
 // cudaMalloc of more bytes than this fails with cudaErrorMemoryAllocation: lets the tests take the
 // fallbacks of a workspace that cannot be allocated. No limit by default.
 extern size_t g_malloc_limit;
+// SMs that cudaDeviceGetAttribute reports (4 by default: with 4 CTAs per SM, small problems split).
+extern int g_sm_count;
+// 0: the blocks of a grid run in grid order (x fastest). Otherwise in an order shuffled from this
+// seed, a new one every launch: CTAs that communicate (arrival counters) must not rely on an order.
+extern uint32_t g_block_order_seed;
 
 // Runs `body` once per thread of every block.
 void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void *body);
@@ -132,6 +138,7 @@ inline unsigned atomicAdd(unsigned *address, unsigned value) {
 
 // Blocks run one after another, so every earlier write is already visible.
 inline void __threadfence() {}
+template <typename T> T __ldcg(const T *address) { return *address; }
 
 namespace conduit::kernels::cuda {
 inline void cp_async16(void *smem, const void *gmem, bool pred) { emu::cp_async(smem, gmem, 16, pred); }

@@ -6,6 +6,7 @@ on random inputs, and runs it.
                                                    # the CUDA headers, no GPU or driver needed; then
                                                    # the stats tests again with CONDUIT_STATS_MMA=0
                                                    # and the decode ones with CONDUIT_DECODE_MMA=0
+                                                   # and CONDUIT_LAST_CTA_MERGE=0 (same bits)
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
 """
 import argparse
@@ -68,15 +69,30 @@ def run_on_gpu(build: pathlib.Path, arch: str) -> int:
 
 
 def run_tests(binary: pathlib.Path) -> int:
-    """Every test, then attention_stats and the decode grid again on their CUDA-core paths (bf16/f16
-    at head_dim 64/128 take them only with CONDUIT_STATS_MMA=0, CONDUIT_DECODE_MMA=0)."""
+    """Every test, then attention_stats and the decode grids again on their CUDA-core paths (bf16/f16
+    at head_dim 64/128 take them only with CONDUIT_STATS_MMA=0, CONDUIT_DECODE_MMA=0); the decode
+    grids on each path both with the splits merged in their last CTA and, CONDUIT_LAST_CTA_MERGE=0, by
+    the second launch: the outputs' hashes must be equal (the same bits)."""
     if subprocess.call([str(binary)]) != 0:
         return 1
     print("CONDUIT_STATS_MMA=0:", flush=True)
     if subprocess.call([str(binary), "stats"], env={**os.environ, "CONDUIT_STATS_MMA": "0"}) != 0:
         return 1
-    print("CONDUIT_DECODE_MMA=0:", flush=True)
-    return subprocess.call([str(binary), "decode"], env={**os.environ, "CONDUIT_DECODE_MMA": "0"})
+    for decode_mma in ("1", "0"):
+        hashes = []
+        for last_cta in ("1", "0"):
+            print(f"decode, CONDUIT_DECODE_MMA={decode_mma} CONDUIT_LAST_CTA_MERGE={last_cta}:", flush=True)
+            env = {**os.environ, "CONDUIT_DECODE_MMA": decode_mma, "CONDUIT_LAST_CTA_MERGE": last_cta}
+            run = subprocess.run([str(binary), "decode"], env=env, stdout=subprocess.PIPE, text=True)
+            print(run.stdout, end="", flush=True)
+            if run.returncode != 0:
+                return 1
+            hashes.append(re.search(r"decode outputs hash: (\w+)", run.stdout).group(1))
+        if hashes[0] != hashes[1]:
+            print(f"FAIL the last-CTA merge and the merge kernel differ: hashes {hashes[0]} and {hashes[1]}")
+            return 1
+        print(f"same outputs with both merges (hash {hashes[0]})", flush=True)
+    return 0
 
 
 def main() -> int:

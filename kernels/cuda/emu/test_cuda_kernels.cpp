@@ -50,7 +50,9 @@ void device_sync() {
 template <typename T> using Buf = std::vector<T>;
 void device_sync() {}
 namespace emu {
-extern size_t g_malloc_limit; // emu.cpp: a cudaMalloc of more bytes fails
+extern size_t g_malloc_limit;        // emu.cpp: a cudaMalloc of more bytes fails
+extern int g_sm_count;               // SMs the emulated device reports
+extern uint32_t g_block_order_seed;  // 0: CTAs in grid order; else shuffled
 }
 #endif
 
@@ -134,6 +136,28 @@ void expect(bool ok, const std::string &what) {
     }
 }
 
+// FNV-1a of every attention output the tests produced (out and lse): run_emu.py compares it between
+// runs that merge the splits in the last CTA and in a second launch, which must give the same bits.
+uint64_t output_hash = 14695981039346656037ull;
+template <typename A, typename B> void hash_outputs(const A &out, const B &lse) {
+    const auto mix = [](const void *data, size_t bytes) {
+        for (size_t i = 0; i < bytes; ++i)
+            output_hash = (output_hash ^ static_cast<const unsigned char *>(data)[i]) * 1099511628211ull;
+    };
+    mix(out.data(), out.size() * sizeof(out[0]));
+    mix(lse.data(), lse.size() * sizeof(lse[0]));
+}
+
+// The order the emulator runs the CTAs of the next launches in (0: grid order; else shuffled from
+// the seed). A real GPU picks its own.
+void set_block_order(uint32_t seed) {
+#ifndef CONDUIT_TEST_ON_GPU
+    emu::g_block_order_seed = seed;
+#else
+    (void)seed;
+#endif
+}
+
 bool close(float got, float want, float atol, float rtol) {
     if (std::isinf(want) || std::isinf(got)) return got == want;
     if (std::isnan(got) || std::isnan(want)) return false;
@@ -204,6 +228,7 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     }
     for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
     expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
+    hash_outputs(out_gpu, lse_gpu);
     kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_again.data(), nullptr, stream); // lse optional
     device_sync();
     expect(std::memcmp(out_gpu.data(), out_again.data(), out_elems * es) == 0, std::string(name) + " without lse");
@@ -440,17 +465,21 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
     expect(std::memcmp(vc_out.data() + off, v_only.data() + off, dense) == 0, std::string(name) + " read_dense v only");
 }
 
-// A decode step over a batch of sequences that share one pool: write_last (with and without RoPE)
-// then batch_attention, CUDA against the CPU. Sequence i's block table is row i of a [n_seqs,
-// stride] table of shuffled blocks and it holds n_tokens[i] tokens; every slot the kernels must not
-// read (past a sequence's length) holds NaN. The split plan depends on the capacity only, so a
-// capacity far above the lengths checks the empty splits too. empty_seqs: after write_last, the
-// odd-numbered sequences are cut to length 0 (they must give out = 0, lse = -inf).
-void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, int max_tokens, int rope_type,
-               bool empty_seqs = false) {
-    const int n_heads = hk * group, stride = (max_tokens + bs - 1) / bs;
-    const size_t es = kc::dtype_size(dtype);
+// Sequences of a decode step that share one pool. Sequence i's block table is row i of a [n_seqs,
+// stride] table of shuffled blocks and it holds lengths[i] tokens (the first up to max_tokens, the
+// others up to 300), random K and V in all of them but the last (write_last's); every other slot
+// holds NaN. view points at them (pool, tables, lengths).
+struct Batch {
+    Buf<unsigned char> pool;
+    Buf<int32_t> lengths, tables;
     kc::BatchView view;
+};
+
+Batch make_batch(kc::DType dtype, int hk, int d, int bs, int n_seqs, int max_tokens) {
+    const int stride = (max_tokens + bs - 1) / bs;
+    const size_t es = kc::dtype_size(dtype);
+    Batch batch;
+    kc::BatchView &view = batch.view;
     view.n_seqs = n_seqs;
     view.max_tokens = max_tokens;
     view.n_kv_heads = hk;
@@ -458,7 +487,8 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     view.block_size = bs;
     view.dtype = dtype;
     view.table_stride = stride;
-    Buf<int32_t> lengths, tables(size_t(n_seqs) * stride, 0);
+    Buf<int32_t> &lengths = batch.lengths, &tables = batch.tables;
+    tables.assign(size_t(n_seqs) * stride, 0);
     int total_blocks = 1;
     for (int i = 0; i < n_seqs; ++i) {
         lengths.push_back(randint(1, i == 0 ? max_tokens : std::min(max_tokens, 300))); // the new token included
@@ -468,25 +498,63 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     for (int b = 0; b < total_blocks; ++b) ids[size_t(b)] = b;
     std::shuffle(ids.begin(), ids.end(), rng);
     const int64_t block_elems = int64_t(2) * hk * bs * d;
-    Buf<unsigned char> cpu_pool(size_t(block_elems * total_blocks) * es + 64, 0xff);
+    batch.pool.assign(size_t(block_elems * total_blocks) * es + 64, 0xff);
     for (int i = 0, next = 0; i < n_seqs; ++i) {
         kc::LayerView layer = view.layout();
-        layer.pool = cpu_pool.data();
+        layer.pool = batch.pool.data();
         layer.block_table = tables.data() + size_t(i) * stride;
         for (int b = 0; b < (lengths[size_t(i)] + bs - 1) / bs; ++b) tables[size_t(i) * stride + b] = ids[size_t(next++)];
         for (int s = 0; s < lengths[size_t(i)] - 1; ++s) // all but the new token, which write_last writes
             for (int h = 0; h < hk; ++h)
                 for (int e = 0; e < d; ++e) {
-                    kc::cpu::store(cpu_pool.data(), kc::cpu::k_offset(layer, s, h) + e, uniform(-1, 1), dtype);
-                    kc::cpu::store(cpu_pool.data(), kc::cpu::k_offset(layer, s, h) + kc::cpu::v_delta(layer) + e,
+                    kc::cpu::store(batch.pool.data(), kc::cpu::k_offset(layer, s, h) + e, uniform(-1, 1), dtype);
+                    kc::cpu::store(batch.pool.data(), kc::cpu::k_offset(layer, s, h) + kc::cpu::v_delta(layer) + e,
                                    uniform(-1, 1), dtype);
                 }
     }
-    Buf<unsigned char> gpu_pool = cpu_pool;
+    view.pool = batch.pool.data();
     view.block_tables = tables.data();
     view.n_tokens = lengths.data();
-    kc::BatchView cpu_view = view, gpu_view = view;
-    cpu_view.pool = cpu_pool.data();
+    return batch;
+}
+
+// batch_attention on the CUDA side against the CPU's, for a random q: out and lse compared into
+// `bad`; out_gpu and lse_gpu receive the CUDA result.
+void check_batch_attention(const kc::BatchView &cpu_view, const kc::BatchView &gpu_view, int n_heads,
+                           Buf<unsigned char> &q, Buf<unsigned char> &workspace, Buf<unsigned char> &out_gpu,
+                           Buf<float> &lse_gpu, int &bad) {
+    const kc::DType dtype = cpu_view.dtype;
+    const size_t out_elems = size_t(cpu_view.n_seqs) * n_heads * cpu_view.head_dim;
+    Buf<unsigned char> out_cpu(out_elems * kc::dtype_size(dtype));
+    Buf<float> lse_cpu(size_t(cpu_view.n_seqs) * n_heads);
+    out_gpu.assign(out_elems * kc::dtype_size(dtype), 0xff);
+    lse_gpu.assign(lse_cpu.size(), 123.0f);
+    const float scale = 1.0f / std::sqrt(float(cpu_view.head_dim));
+    kc::cpu::batch_attention(cpu_view, n_heads, q.data(), scale, out_cpu.data(), lse_cpu.data(), nullptr, 0, nullptr);
+    kc::cuda::batch_attention(gpu_view, n_heads, q.data(), scale, out_gpu.data(), lse_gpu.data(), workspace.data(),
+                              workspace.size(), nullptr);
+    device_sync();
+    for (size_t i = 0; i < out_elems; ++i)
+        bad += !close(kc::cpu::load(out_gpu.data(), int64_t(i), dtype), kc::cpu::load(out_cpu.data(), int64_t(i), dtype),
+                      2e-3f, out_rtol(dtype));
+    for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
+}
+
+// A decode step over a batch of sequences (make_batch): write_last (with and without RoPE) then
+// batch_attention, CUDA against the CPU. The split plan depends on the capacity only, so a capacity
+// far above the lengths checks the empty splits too. empty_seqs: after write_last, the odd-numbered
+// sequences are cut to length 0 (they must give out = 0, lse = -inf). replays: the attention again on
+// the same workspace (a graph replay: the splits' arrival counters must be back at zero), each time
+// with a new q (against the CPU) and then the first q (the first result, bit for bit); in the
+// emulator each replay runs the CTAs in another shuffled order.
+void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, int max_tokens, int rope_type,
+               bool empty_seqs = false, int replays = 0) {
+    const int n_heads = hk * group;
+    Batch batch = make_batch(dtype, hk, d, bs, n_seqs, max_tokens);
+    Buf<unsigned char> &cpu_pool = batch.pool;
+    Buf<int32_t> &lengths = batch.lengths;
+    Buf<unsigned char> gpu_pool = cpu_pool;
+    kc::BatchView cpu_view = batch.view, gpu_view = batch.view;
     gpu_view.pool = gpu_pool.data();
 
     Buf<float> inv_freq;
@@ -506,21 +574,54 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     gpu_pool = cpu_pool; // attention over the same bits on both sides
     for (int i = 1; empty_seqs && i < n_seqs; i += 2) lengths[size_t(i)] = 0;
     Buf<unsigned char> q = random_dense(dtype, int64_t(n_seqs) * n_heads * d, 2.0f);
-    const size_t out_elems = size_t(n_seqs) * n_heads * d;
-    Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff);
-    Buf<float> lse_cpu(size_t(n_seqs) * n_heads), lse_gpu(size_t(n_seqs) * n_heads, 123.0f);
-    Buf<unsigned char> workspace(kc::cuda::batch_attention_workspace_bytes(gpu_view, n_heads) + 16);
-    const float scale = 1.0f / std::sqrt(float(d));
-    kc::cpu::batch_attention(cpu_view, n_heads, q.data(), scale, out_cpu.data(), lse_cpu.data(), nullptr, 0, nullptr);
-    kc::cuda::batch_attention(gpu_view, n_heads, q.data(), scale, out_gpu.data(), lse_gpu.data(), workspace.data(),
-                              workspace.size(), nullptr);
-    device_sync();
+    Buf<unsigned char> workspace(kc::cuda::batch_attention_workspace_bytes(gpu_view, n_heads) + 16); // zero-filled
+    Buf<unsigned char> out_gpu, out_again;
+    Buf<float> lse_gpu, lse_again;
     int bad = 0;
-    for (size_t i = 0; i < out_elems; ++i)
-        bad += !close(kc::cpu::load(out_gpu.data(), int64_t(i), dtype), kc::cpu::load(out_cpu.data(), int64_t(i), dtype),
-                      2e-3f, out_rtol(dtype));
-    for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
+    check_batch_attention(cpu_view, gpu_view, n_heads, q, workspace, out_gpu, lse_gpu, bad);
+    hash_outputs(out_gpu, lse_gpu);
     expect(bad == 0, std::string(name) + " batch_attention mismatches=" + std::to_string(bad));
+    for (int replay = 1; replay <= replays; ++replay) {
+        set_block_order(uint32_t(replay));
+        Buf<unsigned char> q_new = random_dense(dtype, int64_t(n_seqs) * n_heads * d, 2.0f);
+        bad = 0;
+        check_batch_attention(cpu_view, gpu_view, n_heads, q_new, workspace, out_again, lse_again, bad);
+        expect(bad == 0, std::string(name) + " replay " + std::to_string(replay) + " mismatches=" + std::to_string(bad));
+        check_batch_attention(cpu_view, gpu_view, n_heads, q, workspace, out_again, lse_again, bad);
+        const bool same = std::memcmp(out_again.data(), out_gpu.data(), out_gpu.size()) == 0 &&
+                          std::memcmp(lse_again.data(), lse_gpu.data(), lse_gpu.size() * sizeof(float)) == 0;
+        expect(same, std::string(name) + " replay " + std::to_string(replay) + " of the first q: other bits");
+    }
+    set_block_order(0);
+}
+
+// One workspace for every batch size of a step (sized as step_create does: the largest over 1..
+// max_seqs, zero-filled once), used by batch sizes that change between calls, with the CTAs in a new
+// shuffled order each time (emulator): the counters sit where the partials of no size reach.
+void test_step_sizes(kc::DType dtype, int hk, int group, int d, int bs, int max_seqs, int max_tokens) {
+    const int n_heads = hk * group;
+    Batch batch = make_batch(dtype, hk, d, bs, max_seqs, max_tokens);
+    Buf<unsigned char> k = random_dense(dtype, int64_t(max_seqs) * hk * d), v = random_dense(dtype, int64_t(max_seqs) * hk * d);
+    kc::cpu::write_last(batch.view, k.data(), v.data(), kc::Rope{}, nullptr, nullptr);
+    kc::BatchView view = batch.view;
+    size_t bytes = 0;
+    for (view.n_seqs = 1; view.n_seqs <= max_seqs; ++view.n_seqs)
+        bytes = std::max(bytes, kc::cuda::batch_attention_workspace_bytes(view, n_heads));
+    Buf<unsigned char> workspace(bytes, 0), out_gpu;
+    Buf<float> lse_gpu;
+    const int sizes[] = {max_seqs, 1, 2, max_seqs, 1, 3};
+    for (int i = 0; i < 6; ++i) {
+        view.n_seqs = std::min(sizes[i], max_seqs);
+        set_block_order(uint32_t(i + 1));
+        Buf<unsigned char> q = random_dense(dtype, int64_t(view.n_seqs) * n_heads * d, 2.0f);
+        int bad = 0;
+        check_batch_attention(view, view, n_heads, q, workspace, out_gpu, lse_gpu, bad);
+        char name[200];
+        std::snprintf(name, sizeof name, "step sizes %s hk=%d group=%d d=%d max_seqs=%d max_tokens=%d: n_seqs=%d (call %d)",
+                      dtype_name(dtype), hk, group, d, max_seqs, max_tokens, view.n_seqs, i);
+        expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
+    }
+    set_block_order(0);
 }
 
 // One decode query through attention() (random positions: masked and NaN slots; one split or
@@ -542,6 +643,40 @@ void test_decode_grid() {
     test_step(kc::DType::F16, 2, 8, 64, 64, 3, 64, 0);           // exactly one tile of capacity
     test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 1, false);  // no keys at all
     test_attention(kc::DType::F16, 1, 16, 64, 4, 64, 1, true);     // a full 16-row tile, one key tile
+}
+
+// Splits merged in the last CTA of each row group (attention_merge.cuh), on the CUDA-core kernel (MHA;
+// an f32 layer with two queries; GQA 12 in two head tiles) and the tensor-core decode (GQA 4; GQA 16
+// at head_dim 64, whose rows take two passes of the merge), through attention() and batch steps: the
+// emulator's CTAs in shuffled orders (the last to arrive is any split, the merging CTA any of them),
+// replays on one workspace (the counters back at zero), batch sizes that change under one workspace,
+// and, told of 40 SMs (160 resident CTAs), up to the 128 splits a row may have.
+void test_split_merge_grid() {
+    for (uint32_t seed = 1; seed <= 3; ++seed) {
+        set_block_order(seed);
+        test_attention(kc::DType::BF16, 1, 1, 128, 16, randint(700, 1500), 1, false);
+        test_attention(kc::DType::F32, 2, 3, 80, 8, randint(300, 700), 2, false);
+        test_attention(kc::DType::F32, 1, 12, 64, 4, randint(300, 700), 1, true);
+        test_attention(kc::DType::F16, 1, 4, 128, 16, randint(700, 1500), 1, false);
+        test_attention(kc::DType::BF16, 1, 16, 64, 4, randint(700, 1500), 1, false);
+    }
+    set_block_order(0);
+    test_step(kc::DType::BF16, 2, 4, 128, 16, 3, 900, 0, true, 3);
+    test_step(kc::DType::F16, 1, 16, 64, 4, 2, 700, 0, false, 2);
+    test_step(kc::DType::F32, 2, 1, 64, 16, 2, 800, 0, true, 2);
+    test_step(kc::DType::BF16, 1, 1, 128, 16, 1, 1500, 0, false, 2);
+    test_step_sizes(kc::DType::BF16, 1, 4, 128, 16, 4, 2100);
+    test_step_sizes(kc::DType::F16, 2, 1, 64, 8, 3, 1000);
+#ifndef CONDUIT_TEST_ON_GPU
+    emu::g_sm_count = 40;
+    set_block_order(4);
+    test_attention(kc::DType::BF16, 1, 4, 64, 16, 16384, 1, false); // 128 splits of 128 slots
+    test_attention(kc::DType::F16, 1, 1, 64, 16, 16384, 1, false);  // the CUDA-core kernel: 128 splits too
+    test_attention(kc::DType::F32, 1, 2, 64, 16, 5000, 1, false);   // 40 splits
+    set_block_order(0);
+    test_step(kc::DType::BF16, 1, 4, 64, 16, 1, 16384, 0, false, 1);
+    emu::g_sm_count = 4;
+#endif
 }
 
 // The tensor-core attention (attention_mma.cu) with its keys split: the emulator's 4 SMs hold 16 CTAs,
@@ -636,9 +771,16 @@ int main(int argc, char **argv) {
         std::printf("split: %d checks, %d failures\n", checks, failures);
         return failures == 0 ? 0 : 1;
     }
-    if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grid (run_emu.py: the CUDA-core path)
+    if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grids (run_emu.py: both paths, both merges)
         test_decode_grid();
+        std::printf("decode outputs hash: %016llx\n", (unsigned long long)output_hash);
+        test_split_merge_grid();
         std::printf("decode: %d checks, %d failures\n", checks, failures);
+        return failures == 0 ? 0 : 1;
+    }
+    if (argc > 1 && std::string(argv[1]) == "merge") { // only the last-CTA merge (for iterating on it)
+        test_split_merge_grid();
+        std::printf("merge: %d checks, %d failures\n", checks, failures);
         return failures == 0 ? 0 : 1;
     }
     const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
@@ -700,6 +842,7 @@ int main(int argc, char **argv) {
         }
     test_step(kc::DType::BF16, 8, 4, 128, 16, 16, 400, 1); // the bench's batch shape, small
     test_decode_grid();
+    test_split_merge_grid();
     test_step(kc::DType::F32, 1, 1, 8, 1, 3, 5, 2);
     std::printf("step: %d checks, %d failures\n", checks, failures);
     test_topk_grid();
