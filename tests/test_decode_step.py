@@ -103,6 +103,68 @@ def test_long_sequence_uses_every_split(device: str) -> None:
         torch.testing.assert_close(out[i:i + 1].cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+# A VL-Cache-compressed decode (~3.3K keys) with LLaVA-7B's 32 heads of 128 (MHA: the CUDA-core
+# kernel) and a GQA model's 28 heads over 4 KV heads (the tensor-core decode): the keys split and the
+# last CTA of each head group merges the splits, on arrival counters in the step's workspace that
+# every launch leaves at zero. Eager calls, calls with the batch size changed in between, CUDA graph
+# replays and the single-sequence path all give the reference's values, and the same q the same bits.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_kv_heads,group", [(32, 1), (4, 7)])
+def test_split_decode_is_the_same_across_calls_and_graph_replays(dtype: torch.dtype, n_kv_heads: int,
+                                                                 group: int) -> None:
+    device, head_dim, n_heads, scale = "cuda", 128, n_kv_heads * group, 128**-0.5
+    gen = torch.Generator().manual_seed(n_kv_heads + group)
+    arena = KVArena(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+                    block_size=16, kv_bytes=256 << 20)
+    seqs = []
+    for n in (3300, 700):
+        seq = arena.new_sequence()
+        seq.append(range(n))
+        seq.write_kv(0, *(torch.randn(n, n_kv_heads, head_dim, generator=gen).to(dtype).to(device) for _ in range(2)))
+        seqs.append(seq)
+    step = arena.new_step(max_seqs=2, max_tokens=4096, n_heads=n_heads)
+
+    def decode(batch: list, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends a token to each sequence of `batch`; returns a q for them and its reference output."""
+        step.prepare(batch, [position] * len(batch))
+        step.write_kv(0, *(torch.randn(len(batch), n_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+                           for _ in range(2)))
+        q = torch.randn(len(batch), n_heads, head_dim, generator=gen).to(dtype)
+        want = []
+        for i, seq in enumerate(batch):
+            k, v = (x.cpu() for x in seq.read_kv(0))
+            want.append(reference.attention(q[i:i + 1], k, v, torch.tensor([position]), seq.positions(0), scale)[0])
+        return q.to(device), torch.cat(want)
+
+    def check(out: torch.Tensor, want: torch.Tensor) -> None:
+        torch.testing.assert_close(out.cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+    q, want = decode(seqs, 5000)  # two sequences: fewer splits
+    two = step.attention(0, q, None, scale)
+    check(two, want)
+    q, want = decode(seqs[:1], 5001)  # one: more splits, on the same workspace
+    eager = step.attention(0, q, None, scale)
+    check(eager, want)
+    assert torch.equal(step.attention(0, q, None, scale), eager)
+    static_q, static_out = q.clone(), torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.attention(0, static_q, None, scale, out=static_out)
+    for _ in range(3):
+        static_out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static_out, eager)
+    other = torch.randn(1, n_heads, head_dim, generator=gen).to(dtype).to(device)
+    static_q.copy_(other)
+    graph.replay()
+    assert torch.equal(static_out, step.attention(0, other, None, scale))
+    single = seqs[0].attention(0, q, torch.tensor([5001], dtype=torch.int32, device=device), scale)
+    check(single, want)
+    assert torch.equal(seqs[0].attention(0, q, torch.tensor([5001], dtype=torch.int32, device=device), scale), single)
+    arena.close()
+
+
 def test_bad_arguments_change_nothing() -> None:
     gen = torch.Generator().manual_seed(1)
     arena = make_arena("cpu", torch.float32)
