@@ -147,21 +147,23 @@ __device__ __forceinline__ void merge_if_last_split(const AttentionParams &p, in
                                                     float *smem, int32_t smem_floats) {
     // The pattern of a cooperative-groups grid sync: the barrier orders the CTA's partials before
     // thread 0's fence, whose release covers them; after its arrival the last CTA's fence acquires
-    // the other CTAs' partials for every thread behind the second barrier.
-    __shared__ bool last_split;
+    // the other CTAs' partials for every thread behind the second barrier. That barrier is a
+    // __syncthreads_or, which also broadcasts thread 0's verdict: a __shared__ flag would add static
+    // shared memory, and 16 bytes more of it (640 -> 656) made the tensor-core decode kernel's key
+    // loop 17% slower on an H200 even where the merge never ran (same SASS loop, registers and
+    // occupancy; measured with this kernel's tail removed, docs/benchmarks/session6).
     __syncthreads();
+    int last = 0;
     if (threadIdx.x == 0) {
         uint32_t *counter = p.split_counters + int64_t(blockIdx.x) * gridDim.y + blockIdx.y;
         __threadfence();
-        const bool last = atomicAdd(counter, 1u) == uint32_t(p.n_splits - 1);
+        last = atomicAdd(counter, 1u) == uint32_t(p.n_splits - 1);
         if (last) {
             *counter = 0; // every split arrived: zero for the next launch
             __threadfence();
         }
-        last_split = last;
     }
-    __syncthreads();
-    if (last_split) merge_split_rows<T>(p, first_row, n_rows, smem, smem_floats);
+    if (__syncthreads_or(last)) merge_split_rows<T>(p, first_row, n_rows, smem, smem_floats);
 }
 
 } // namespace conduit::kernels::cuda
