@@ -123,3 +123,67 @@ def test_several_rows_and_non_contiguous_inputs_take_torch():
     assert torch.equal(fused.linear(rows, weight), F.linear(rows, weight))
     column = randn(32, 2, dtype=torch.bfloat16)[:, :1].t()  # [1, 32] with a stride of 2
     assert torch.equal(fused.linear(column, weight), F.linear(column, weight))
+
+
+def _rope_tables(n_freq: int, position: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(n_freq, dtype=torch.float32, device=device) / n_freq))
+    return rope_tables(torch.tensor([position], dtype=torch.int32, device=device), inv_freq, 1.0, (), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width,n_in", [(11008, 4096), (18944, 3584), (37, 100), (3, 8192)])
+def test_gemv_with_the_silu_gate_equals_the_gemv_then_silu_mul(dtype, width, n_in):
+    """One kernel for a decode step's gate/up product and SiLU gate: the bits of the two kernels it
+    replaces (the same sums, then silu_mul's roundings), and within silu_mul's tolerance of torch."""
+    x, gate_up = randn(1, n_in, dtype=dtype), randn(2 * width, n_in, dtype=dtype, scale=n_in**-0.5 * 3)
+    got = fused.linear_silu_gate(x, gate_up)
+    assert got.shape == (1, width) and got.dtype == dtype
+    assert torch.equal(got, fused.silu_mul(fused.linear(x, gate_up)))
+    gate, up = F.linear(x.double(), gate_up.double()).chunk(2, dim=-1)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=4 * ULP[dtype], atol=ULP[dtype] * 0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,with_bias", [(32, 32, 128, False), (28, 4, 128, True),
+                                                               (8, 2, 64, True), (3, 1, 16, False)])
+def test_gemv_with_the_query_rotation_equals_the_gemv_then_rotate(dtype, heads, kv_heads, head_dim, with_bias):
+    """One kernel for a decode step's q/k/v product and the queries' RoPE: the bits of the GEMV then
+    ``rotate`` of its query part (the keys and values as the GEMV left them), at a far position."""
+    n_in, q_rows = 512, heads * head_dim
+    n_out = q_rows + 2 * kv_heads * head_dim
+    x, weight = randn(1, n_in, dtype=dtype), randn(n_out, n_in, dtype=dtype, scale=n_in**-0.5)
+    bias = randn(n_out, dtype=dtype) if with_bias else None
+    cos, sin = _rope_tables(head_dim // 2, 70001, dtype, "cuda")
+    q, rest = fused.linear_rotate_q(x, weight, bias, heads, head_dim, cos, sin)
+    plain = fused.linear(x, weight, bias)
+    assert q.shape == (1, heads, head_dim) and q.is_contiguous() and rest.shape == (1, n_out - q_rows)
+    assert torch.equal(q, fused.rotate(plain[:, :q_rows].reshape(1, heads, head_dim), cos, sin))
+    assert torch.equal(rest, plain[:, q_rows:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_projections_with_their_epilogues_match_transformers(device):
+    """``linear_rotate_q`` and ``linear_silu_gate`` against transformers' chains on one row (the
+    Triton kernels on CUDA, the torch chains on the CPU), in float32: rotate_half RoPE of q_proj's
+    output, and act_fn(gate_proj(x)) * up_proj(x)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    heads, kv_heads, head_dim, n_in, width = 4, 2, 32, 64, 48
+    n_out = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(1, n_in, generator=gen, device=device)
+    weight, bias = torch.randn(n_out, n_in, generator=gen, device=device), torch.randn(n_out, generator=gen, device=device)
+    cos, sin = _rope_tables(head_dim // 2, 1234, torch.float32, device)
+    q, rest = fused.linear_rotate_q(x, weight, bias, heads, head_dim, cos, sin)
+    plain = F.linear(x, weight, bias)
+    q_plain = plain[:, :heads * head_dim].view(1, heads, head_dim).transpose(0, 1)[None]  # [1, heads, 1, d]
+    emb_cos, emb_sin = torch.cat([cos, cos], dim=-1)[None], torch.cat([sin, sin], dim=-1)[None]
+    want, _ = apply_rotary_pos_emb(q_plain, q_plain, emb_cos, emb_sin)
+    torch.testing.assert_close(q, want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rest, plain[:, heads * head_dim:], rtol=1e-5, atol=1e-5)
+
+    gate_up = torch.randn(2 * width, n_in, generator=gen, device=device)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(fused.linear_silu_gate(x, gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)

@@ -42,8 +42,12 @@ def test_pdl_is_on_from_hopper_unless_turned_off(monkeypatch, fresh_switch, capa
 
 _P, _I = "*bf16", "i32"
 _KERNELS = {  # kernel, its runtime arguments' types, its constexprs (a 7B model's shapes), options
-    "gemv": (fused_triton._gemv_kernel, dict(x_ptr=_P, w_ptr=_P, bias_ptr=_P, out_ptr=_P, n_out=_I, n_in=_I),
-             dict(HAS_BIAS=True, BLOCK_N=2, BLOCK_K=4096), dict(num_warps=4)),
+    **{name: (fused_triton._gemv_kernel,
+              dict(x_ptr=_P, w_ptr=_P, bias_ptr=_P, out_ptr=_P, cos_ptr=_P, sin_ptr=_P, n_out=_I, n_in=_I,
+                   n_rotating=_I, n_freq=_I, head_dim=_I),
+              dict(HAS_BIAS=True, EPILOGUE=epilogue, BLOCK_N=2, BLOCK_K=4096), dict(num_warps=4, enable_fp_fusion=False))
+       for name, epilogue in [("gemv", fused_triton.STORE), ("gemv_silu_gate", fused_triton.SILU_GATE),
+                              ("gemv_rotate_q", fused_triton.ROTATE_Q)]},
     "rms_norm": (fused_triton._rms_norm_kernel,
                  dict(x_ptr=_P, delta_ptr=_P, w_ptr=_P, sum_ptr=_P, out_ptr=_P, n_cols=_I, eps="fp32"),
                  dict(HAS_DELTA=True, BLOCK=4096), dict(num_warps=16, enable_fp_fusion=False)),
@@ -53,8 +57,10 @@ _KERNELS = {  # kernel, its runtime arguments' types, its constexprs (a 7B model
                dict(x_ptr=_P, cos_ptr=_P, sin_ptr=_P, out_ptr=_P, n_heads=_I, head_dim=_I, n_freq=_I),
                dict(BLOCK_H=32, BLOCK_F=64, BLOCK_R=0), dict(num_warps=8, enable_fp_fusion=False)),
 }
-# Per kernel, the loads before the wait: the GEMV's first weight tile (evict_first), the norm weight.
-_LOADS_BEFORE_WAIT = {"gemv": "weight", "rms_norm": 1, "silu_mul": 0, "rotate": 0}
+# Per kernel, the loads before the wait: the GEMV's first weight tile (evict_first; the RoPE tables of
+# gemv_rotate_q come after it), the norm weight.
+_LOADS_BEFORE_WAIT = {"gemv": "weight", "gemv_silu_gate": "weight", "gemv_rotate_q": "weight", "rms_norm": 1,
+                      "silu_mul": 0, "rotate": 0}
 
 
 def _ptx(name: str, pdl: bool) -> str:

@@ -91,8 +91,9 @@ class KernelBench:
         v = torch.stack([torch.cat([f[2][0], v_new[b:b + 1]]) for b, f in enumerate(filled)])
         return step, seqs, k, v
 
-    def decode(self, n: int, batch: int = 1) -> dict:
-        """One query per sequence at position n-1 over its n keys, ``batch`` sequences in one launch."""
+    def decode(self, n: int, batch: int = 1, compare: bool = True) -> dict:
+        """One query per sequence at position n-1 over its n keys, ``batch`` sequences in one launch;
+        with ``compare``, torch SDPA's backends on the same data laid out contiguously."""
         s = self.s
         arena = self.arena(n, batch)
         try:
@@ -111,7 +112,8 @@ class KernelBench:
             v_dense = v.transpose(1, 2).contiguous()
             del k, v
             q_dense = q[:, :, None].contiguous()  # [B, H, 1, d]
-            reference = sdpa.time_backends(self.timer, q_dense, k_dense, v_dense, False, sdpa.DECODE_BACKENDS)
+            reference = (sdpa.time_backends(self.timer, q_dense, k_dense, v_dense, False, sdpa.DECODE_BACKENDS)
+                         if compare else {})
         finally:
             arena.close()
         kv_bytes = batch * n * self.token_bytes()

@@ -14,6 +14,9 @@ cast to the dtype), so they agree with it to the last bit or one unit in the las
 ``linear`` of a single row (a decode step) is a Triton GEMV that streams the weight at 0.57-0.94 of
 the copy bandwidth on an H200 where cuBLAS's M = 1 kernels reach 0.43-0.82 (docs/benchmarks/gemv.md);
 several rows, or the CPU, go to ``F.linear``. Its float32 sum runs in another order than cuBLAS's.
+Two of a decode step's elementwise kernels ride on the GEMV before them: ``linear_silu_gate`` (the
+gate/up product, then the SiLU gate) and ``linear_rotate_q`` (the q/k/v product, then the queries'
+RoPE) give the same bits as the GEMV followed by ``silu_mul`` or ``rotate``, one launch fewer each.
 
 Shapes: x, delta [..., hidden] (contiguous); gate_up [..., 2 intermediate]; q [n, heads, head_dim]
 with cos, sin tables [n, n_freq] (``rope.rope_tables``: computed once per forward pass, in torch,
@@ -86,12 +89,40 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight [out, in]^T + bias [out] -> [n, out], as ``F.linear``."""
-    if (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1] > 0
-            and x.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_cuda
-            and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()))
-            and _on_gpu(x, weight)):  # anything else (and every error message) is F.linear's
+    if _gemv_applies(x, weight, bias):  # anything else (and every error message) is F.linear's
         return _triton().gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``linear(x, weight, bias)`` runs as the Triton GEMV (one row, on CUDA, same dtypes)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1] > 0
+            and x.dtype in _GEMV_DTYPES and x.dtype == weight.dtype and weight.is_cuda
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()))
+            and _on_gpu(x, weight))
+
+
+def linear_silu_gate(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)): x [n, in], gate_up [2 width, in] (gate rows, then up rows) ->
+    [n, width]; a decode step's row in one kernel."""
+    if _gemv_applies(x, gate_up, None) and gate_up.shape[0] % 2 == 0:
+        return _triton().gemv_silu_gate(x, gate_up)
+    return silu_mul(linear(x, gate_up))
+
+
+def linear_rotate_q(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int, head_dim: int,
+                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query projection rotated, and the rest of the stack: x [n, in] @ weight [q_rows + rest,
+    in]^T + bias, q_rows = n_heads * head_dim -> (q [n, n_heads, head_dim] rotated with cos, sin [n,
+    n_freq] as ``rotate``, the rest [n, rest]). A decode step's row with full-width RoPE in one kernel."""
+    n, q_rows = x.shape[0], n_heads * head_dim
+    if (_gemv_applies(x, weight, bias) and 2 * cos.shape[-1] == head_dim and q_rows <= weight.shape[0]
+            and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous()):
+        out = _triton().gemv_rotate_q(x, weight, bias, n_heads, head_dim, cos, sin)
+        return out[:, :q_rows].view(n, n_heads, head_dim), out[:, q_rows:]
+    out = linear(x, weight, bias)
+    q = rotate(out[:, :q_rows].reshape(n, n_heads, head_dim), cos, sin).contiguous()
+    return q, out[:, q_rows:]
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -177,18 +177,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
+# What a GEMV program does with its rows' sums (EPILOGUE): store them; gate and up rows -> silu(gate) * up;
+# pairs of query rows rotated with RoPE.
+STORE, SILU_GATE, ROTATE_Q = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_out, n_in,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[r] = w[r] . x (+ bias[r]) for BLOCK_N rows r, the sum in float32.
+def _gemv_rows(program, n_rotating, n_freq, head_dim, gate_width, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr):
+    """The BLOCK_N weight rows of ``program``. STORE: consecutive rows. SILU_GATE (BLOCK_N 2): row
+    ``program`` of gate and of up (rows program and program + gate_width). ROTATE_Q (BLOCK_N 2):
+    programs below ``n_rotating`` take the rows (f, f + n_freq) of query head program // n_freq, f =
+    program % n_freq, which RoPE mixes; the programs after take the rows past the queries two by two."""
+    offsets = tl.arange(0, BLOCK_N)
+    if EPILOGUE == SILU_GATE:
+        return program + offsets * gate_width
+    if EPILOGUE == ROTATE_Q:
+        rotating = program < n_rotating
+        first = tl.where(rotating, program // n_freq * head_dim + program % n_freq,
+                         2 * n_rotating + (program - n_rotating) * BLOCK_N)
+        return first + offsets * tl.where(rotating, n_freq, 1)
+    return program * BLOCK_N + offsets
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, cos_ptr, sin_ptr, n_out, n_in, n_rotating, n_freq, head_dim,
+                 HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    """out[r] = w[r] . x (+ bias[r]) for the BLOCK_N rows r of a program (``_gemv_rows``), the sum in
+    float32, then the EPILOGUE.
 
     A program holds a [BLOCK_N, BLOCK_K] tile of products; with BLOCK_K = 4096 a row of a 7B
     model's projection is one round of loads, all in flight at once. The weight is read once and
     never again in the step: evict_first keeps it from pushing the activations out of L2. With PDL
     the first K-block of the weight is loaded before the wait for x (the same products, in the same
-    order: the results are those without PDL, bit for bit).
+    order: the results are those without PDL, bit for bit). The products are accumulated with an
+    explicit fused multiply-add: the kernel compiles without fusion (``enable_fp_fusion=False``, for
+    the epilogues' arithmetic, which must round as the separate kernels do), and the sums stay the
+    same whatever Triton's default.
     """
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    program = tl.program_id(0)
+    rows = _gemv_rows(program, n_rotating, n_freq, head_dim, n_out // 2, BLOCK_N, EPILOGUE)
     row_mask = rows < n_out
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * n_in
@@ -199,18 +227,34 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_out, n_in,
                     eviction_policy="evict_first")
         _pdl_wait(PDL)
         x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        acc += w.to(tl.float32) * x
+        acc = tl.fma(w.to(tl.float32), x, acc)
     for start in range(BLOCK_K if PDL else 0, n_in, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         col_mask = cols < n_in
         x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x
+        acc = tl.fma(w.to(tl.float32), x, acc)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added before rounding, as cuBLAS's bias epilogue
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+    dtype = out_ptr.dtype.element_ty
+    if EPILOGUE == SILU_GATE:  # as _silu_mul_kernel on the rounded gate and up
+        gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (1, 2)))
+        silu = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + program + tl.arange(0, 1), (silu * up).to(dtype))
+    elif EPILOGUE == ROTATE_Q:  # as _rotate_kernel on the rounded query pair, for the rotating programs
+        x1, x2 = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (1, 2)))
+        rotating = program < n_rotating
+        f = tl.where(rotating, program % n_freq, 0) + tl.arange(0, 1)
+        cos = tl.load(cos_ptr + f).to(tl.float32)
+        sin = tl.load(sin_ptr + f).to(tl.float32)
+        out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+        out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+        y = tl.where(rotating, tl.reshape(tl.join(out1, out2), (2,)), y)
+        tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+    else:
+        tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
 # Tile of the GEMV, from a sweep on an H200 (tools/bench_gemv.py, docs/benchmarks/gemv.md): two rows of
@@ -218,13 +262,42 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, n_out, n_in,
 GEMV_BLOCK_N, GEMV_MAX_BLOCK_K, GEMV_WARPS = 2, 4096, 4
 
 
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, programs: int,
+                 epilogue: int, block_n: int, block_k: int | None, num_warps: int,
+                 rope: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None) -> torch.Tensor:
+    n_out, n_in = weight.shape
+    cos, sin, n_rotating, n_freq, head_dim = rope if rope is not None else (weight, weight, 0, 1, 1)
+    _gemv_kernel[(programs,)](x, weight, bias if bias is not None else weight, out, cos, sin, n_out, n_in,
+                              n_rotating, n_freq, head_dim, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
+                              BLOCK_N=block_n, BLOCK_K=block_k or min(GEMV_MAX_BLOCK_K, triton.next_power_of_2(n_in)),
+                              num_warps=num_warps, enable_fp_fusion=False, **_pdl_options(x))
+    return out
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N,
          block_k: int | None = None, num_warps: int = GEMV_WARPS) -> torch.Tensor:
     """x [1, in] @ weight [out, in]^T (+ bias [out]) -> [1, out]; contiguous, one dtype."""
-    n_out, n_in = weight.shape
-    block_k = block_k or min(GEMV_MAX_BLOCK_K, triton.next_power_of_2(n_in))
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch_gemv(x, weight, bias, out, triton.cdiv(weight.shape[0], block_n), STORE, block_n, block_k,
+                        num_warps)
+
+
+def gemv_silu_gate(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(gemv(x, gate_up)) in one kernel, the same bits: x [1, in], gate_up [2 width, in] (gate
+    rows, then up rows) -> [1, width]."""
+    width = gate_up.shape[0] // 2
+    out = torch.empty((1, width), dtype=x.dtype, device=x.device)
+    return _launch_gemv(x, gate_up, None, out, width, SILU_GATE, 2, None, GEMV_WARPS)
+
+
+def gemv_rotate_q(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int, head_dim: int,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """gemv(x, weight, bias) -> [1, out] with its first n_heads * head_dim outputs (the queries, head
+    by head) rotated as ``rotate`` with cos, sin [1, head_dim / 2], the same bits, in one kernel.
+    Full-width RoPE only (2 n_freq = head_dim)."""
+    n_out = weight.shape[0]
+    n_rotating = n_heads * head_dim // 2  # one program per rotated pair
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](x, weight, bias if bias is not None else weight, out, n_out, n_in,
-                                                  HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  num_warps=num_warps, **_pdl_options(x))
-    return out
+    programs = n_rotating + triton.cdiv(n_out - 2 * n_rotating, 2)
+    return _launch_gemv(x, weight, bias, out, programs, ROTATE_Q, 2, None, GEMV_WARPS,
+                        rope=(cos, sin, n_rotating, head_dim // 2, head_dim))

@@ -1,7 +1,7 @@
 """The Llama decoder, with its attention over the native KV arena.
 
 One layer: RMSNorm -> q/k/v projections -> K (pre-RoPE) and V written into the sequence's slots,
-the kernel rotating K at ``rope_positions`` -> q rotated in torch with the same frequencies ->
+the kernel rotating K at ``rope_positions`` -> q rotated with the same frequencies (``fused``) ->
 causal-by-position attention over every stored token of the layer (the native kernel) -> o_proj ->
 residual -> RMSNorm -> SwiGLU MLP -> residual. Module and parameter names follow transformers'
 ``LlamaModel`` so that the code reads like the reference; ``gguf_tensor_map`` says which GGUF tensor
@@ -10,8 +10,9 @@ fills each parameter. A layer runs as three parts, ``pre_attention`` (norm, proj
 projection, norm, MLP), so that ``prefill_graph`` can replay the dense parts from CUDA graphs.
 
 After loading, ``stack_projections`` lays q/k/v and gate/up out as row blocks of one tensor each (the
-parameters become views of it): a decode step reads each stack with one GEMV (``fused.linear``)
-instead of three and two, which streams closer to the bandwidth limit. Prefill runs gate/up as one
+parameters become views of it): a decode step reads each stack with one GEMV instead of three and
+two, which streams closer to the bandwidth limit, and rotates q or applies the SiLU gate in the
+same kernel (``fused.linear_rotate_q``, ``fused.linear_silu_gate``). Prefill runs gate/up as one
 product too (the SiLU kernel reads both halves of its rows) but keeps one product per q/k/v
 projection, whose outputs must be contiguous for the KV write and RoPE.
 """
@@ -158,11 +159,12 @@ class LlamaAttention(StackedProjections):
         sin [n, n_freq], ``RotaryEmbedding.tables``), and k, v [n, n_kv_heads, head_dim] before RoPE
         (the arena rotates K as it stores it), all contiguous."""
         n = h.shape[0]
-        if n == 1 and self.stack_current():  # a decode step: one GEMV over the stack
-            q, k, v = fused.linear(h, self.qkv_weight, self.qkv_bias).split(self.qkv_rows, dim=-1)
+        if n == 1 and self.stack_current():  # a decode step: one GEMV over the stack, q rotated in it
+            q, kv = fused.linear_rotate_q(h, self.qkv_weight, self.qkv_bias, self.n_heads, self.head_dim, *tables)
+            k, v = kv.split(self.qkv_rows[1:], dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q = fused.rotate(q.view(n, self.n_heads, self.head_dim), *tables).contiguous()
+            q = fused.rotate(q.view(n, self.n_heads, self.head_dim), *tables).contiguous()
         return q, k.view(n, self.n_kv_heads, self.head_dim), v.view(n, self.n_kv_heads, self.head_dim)
 
     def attend(self, layer: int, seq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
@@ -195,10 +197,10 @@ class LlamaMLP(StackedProjections):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]; gate and up as one product over their stack."""
         if not self.stack_current():
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+            gated = fused.silu_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1))
         else:
-            gate_up = fused.linear(x, self.gate_up_weight)
-        return fused.linear(fused.silu_mul(gate_up), self.down_proj.weight)
+            gated = fused.linear_silu_gate(x, self.gate_up_weight)
+        return fused.linear(gated, self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
