@@ -4,11 +4,12 @@
 //   out = sum_s exp(lse_s - lse) * partial_s,  lse = logsumexp_s(lse_s),
 // computed by merge_split_rows in one fixed order of additions, whichever CTA runs it:
 //   - merge_splits_kernel (attention.cu): a second launch, one CTA per head row;
-//   - merge_if_last_split: inside the split kernel itself. Each CTA writes its partials, then
-//     arrives on the arrival counter of its row group (p.split_counters, one per (blockIdx.x,
-//     blockIdx.y)); the CTA that arrives last merges the group's rows and sets the counter back to
-//     0, so counters that start at zero are zero again after every launch (and graph replay). This
-//     saves the second launch (~3.5 us a layer on an H200), the bulk of a short decode call.
+//   - merge_if_last_split: inside the CUDA-core split kernel itself (attention.cu says why the
+//     tensor-core ones keep the second launch). Each CTA writes its partials, then arrives on the
+//     arrival counter of its row group (p.split_counters, one per (blockIdx.x, blockIdx.y)); the CTA
+//     that arrives last merges the group's rows and sets the counter back to 0, so counters that
+//     start at zero are zero again after every launch (and graph replay). This saves the second
+//     launch, the bulk of a short decode call (LLaVA-7B, 4K keys: 28.5 -> 26.2 us a layer, H200).
 // Both give the same bits: the weights' sum is the butterfly-then-warps order of a 128-thread CTA
 // over splits 0..127, and each output column sums its splits by team (team g: splits g, g + teams,
 // ... in order), then the teams in order.
@@ -148,10 +149,10 @@ __device__ __forceinline__ void merge_if_last_split(const AttentionParams &p, in
     // The pattern of a cooperative-groups grid sync: the barrier orders the CTA's partials before
     // thread 0's fence, whose release covers them; after its arrival the last CTA's fence acquires
     // the other CTAs' partials for every thread behind the second barrier. That barrier is a
-    // __syncthreads_or, which also broadcasts thread 0's verdict: a __shared__ flag would add static
-    // shared memory, and 16 bytes more of it (640 -> 656) made the tensor-core decode kernel's key
-    // loop 17% slower on an H200 even where the merge never ran (same SASS loop, registers and
-    // occupancy; measured with this kernel's tail removed, docs/benchmarks/session6).
+    // __syncthreads_or, which also broadcasts thread 0's verdict. A __shared__ flag would add static
+    // shared memory: when the tensor-core decode kernel carried this tail, 16 bytes more of it
+    // (640 -> 656) made its key loop 17% slower on an H200 even where the merge never ran (the same
+    // SASS loop, registers and occupancy; bisected in docs/benchmarks/session6).
     __syncthreads();
     int last = 0;
     if (threadIdx.x == 0) {

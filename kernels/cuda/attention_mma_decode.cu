@@ -12,7 +12,7 @@
 // group 1 off it.
 //
 // Grid: x = query (sequence), y = KV head, z = split of its keys; the split plan, the partials
-// layout and the merge are those of the CUDA-core kernel (attention.cu, attention_merge.cuh). Per CTA (4 warps):
+// layout and the merge are those of the CUDA-core kernel (attention.cu). Per CTA (4 warps):
 //   1. All threads stream tiles of kTileKeys slots (K, V: 16-byte chunks, XOR-swizzled as in
 //      attention_mma.cu) from the paged pool by cp.async through kStages stages. Slots past the end
 //      or hidden by position are zero-filled and flagged invisible.
@@ -20,8 +20,7 @@
 //      online softmax in fp32 base 2, then O += P V with P re-packed into an A fragment. Each warp
 //      so streams a quarter of the CTA's keys with its own (max, sum, O).
 //   3. The warps' (max, sum, O) are merged through shared memory and the CTA writes out/lse (one
-//      split) or its partial and natural-log lse (several splits); with p.split_counters, the last
-//      split of each (query, KV head) then merges the group's rows (attention_merge.cuh).
+//      split) or its partial and natural-log lse (several splits).
 //
 // Fragment layouts (g = lane / 4, t = lane % 4; PTX ISA, m16n8k16):
 //   A (Q or P, 16 x 16): a[0] = row g, cols 2t, 2t+1; a[1] = row g+8, same cols; a[2], a[3] = the
@@ -33,7 +32,6 @@
 
 #include <atomic>
 
-#include "attention_merge.cuh"
 #include "attention_mma_tile.cuh" // the mma primitives, quad_max/quad_sum, allow_dynamic_smem
 
 #ifndef CONDUIT_DECODE_MMA_STAGES // cp.async stages of K/V tiles (a build-time knob, measured on an H200)
@@ -47,7 +45,6 @@ template <int kHeadDim> struct DecodeShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
-    static_assert(kThreads == kMergeThreads, "the last split merges with the CTA's threads");
     static constexpr int kWarpKeys = 16;                       // keys of each tile one warp takes
     static constexpr int kTileKeys = kWarps * kWarpKeys;       // slots per pipeline stage
     static_assert(kTileKeys == kDecodeMmaTileKeys, "the split plan rounds to this tile");
@@ -307,9 +304,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
     cp_async_wait<0>();
     __syncthreads();
     merge_and_store<T, kHeadDim, kTall>(p, qi, kv_head, split, state, reinterpret_cast<float *>(decode_smem));
-    if (p.n_splits > 1 && p.split_counters)
-        merge_if_last_split<T>(p, int64_t(qi) * p.n_heads + kv_head * p.group, p.group,
-                               reinterpret_cast<float *>(decode_smem), int32_t(S::kSmemBytes / sizeof(float)));
 }
 
 template <typename T, int kHeadDim, bool kTall> struct DecodeKernel {

@@ -645,9 +645,9 @@ void test_decode_grid() {
     test_attention(kc::DType::F16, 1, 16, 64, 4, 64, 1, true);     // a full 16-row tile, one key tile
 }
 
-// Splits merged in the last CTA of each row group (attention_merge.cuh), on the CUDA-core kernel (MHA;
-// an f32 layer with two queries; GQA 12 in two head tiles) and the tensor-core decode (GQA 4; GQA 16
-// at head_dim 64, whose rows take two passes of the merge), through attention() and batch steps: the
+// Splits merged in the last CTA of each row group (attention_merge.cuh) on the CUDA-core kernel (MHA;
+// an f32 layer with two queries; GQA 12 in two head tiles), and by the merge kernel after the
+// tensor-core decode (GQA 4; GQA 16 at head_dim 64), through attention() and batch steps: the
 // emulator's CTAs in shuffled orders (the last to arrive is any split, the merging CTA any of them),
 // replays on one workspace (the counters back at zero), batch sizes that change under one workspace,
 // and, told of 40 SMs (160 resident CTAs), up to the 128 splits a row may have.
