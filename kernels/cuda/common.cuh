@@ -60,6 +60,56 @@ template <typename F> void dispatch_dtype(DType dtype, F &&f) {
 // Streaming multiprocessors of the current device (runtime.cu).
 int32_t sm_count();
 
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (PDL, sm_90+)
+// ---------------------------------------------------------------------------------------------
+// A decode step runs ~11 kernels a layer, most of them a few microseconds long; launched back to
+// back, a kernel's CTAs are scheduled only once the kernel before it has finished. A kernel
+// launched by launch_chained may be scheduled while the one before it drains, so its launch and
+// prologue overlap that kernel's tail. It must call wait_for_prior_grids() before it reads anything
+// an earlier kernel wrote and before it writes anything: past it, every earlier kernel on the stream
+// has completed and its writes are visible. allow_dependent_launch() then lets the next chained
+// kernel (or Triton kernel, models/fused_triton.py) be scheduled; that one's own wait still waits
+// for this kernel to complete, so the order of the whole chain holds. Both are no-ops before sm_90
+// and in the emulator; a kernel not launched chained passes the wait at once.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launch_chained launches with PDL on the current device: compute capability >= 9.0 and
+// the environment variable CONDUIT_PDL not "0" (runtime.cu; read once per device).
+bool chained_launch_enabled();
+
+// kernel<<<grid, block, smem, stream>>>(args...), with PDL where chained_launch_enabled(). The
+// kernel must begin with wait_for_prior_grids() (see above).
+template <typename... Params, typename... Args>
+void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                    Args... args) {
+#ifdef CONDUIT_CUDA_EMULATION
+    ::emu::launch(grid, block, smem, stream, [&]() { kernel(args...); });
+#else
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = chained_launch_enabled() ? 1 : 0;
+    CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+#endif
+}
+
 // A grow-only device scratch buffer of at least `bytes` for (current device, stream), or null when
 // the device is out of memory (runtime.cu). Valid until the next call for the same stream; work
 // enqueued on that stream may use it without further synchronisation.

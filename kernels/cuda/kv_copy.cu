@@ -127,6 +127,8 @@ __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
                      const int32_t *rope_pos) {
     extern __shared__ float k_staged[];
+    wait_for_prior_grids(); // launched chained: the rows and positions may be the previous kernel's
+    allow_dependent_launch();
     const Src src = all_src.at_layer(int32_t(blockIdx.y));
     const Dst dst = all_dst.at_layer(int32_t(blockIdx.y));
     using P = Pack<T, kVec>;
@@ -204,8 +206,8 @@ void launch_rows(Src src, Dst dst, int32_t n, int32_t n_layers, int32_t n_kv_hea
     const dim3 grid{unsigned((rows + rows_per_block - 1) / rows_per_block), unsigned(n_layers)};
     const dim3 block{unsigned(per_row), unsigned(rows_per_block)};
     const size_t smem = rope_pos ? 2 * size_t(rows_per_block) * head_dim * sizeof(float) : 0;
-    move_rows_kernel<T, kVec><<<grid, block, smem, stream>>>(src, dst, n, n_kv_heads, head_dim, rope, rope_pos);
-    CUDA_CHECK_LAUNCH("move_rows_kernel");
+    launch_chained(move_rows_kernel<T, kVec, Src, Dst>, grid, block, smem, stream, src, dst, n, n_kv_heads, head_dim,
+                   rope, rope_pos);
 }
 
 // Checks the shared preconditions, then launches with 16-byte accesses when every pointer allows.

@@ -12,6 +12,8 @@
 // before capturing a CUDA graph; (2) two threads must not enqueue on the same stream at once (the
 // arena's one-thread rule already says so); (3) the buffers live until the process exits, on
 // purpose: freeing them from a static destructor would race the CUDA runtime's own teardown.
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -179,6 +181,22 @@ int32_t sm_count() {
     CUDA_CHECK(cudaGetDevice(&device));
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return sms > 0 ? sms : 1;
+}
+
+bool chained_launch_enabled() {
+    constexpr int kDevices = 64;
+    static std::atomic<int8_t> decided[kDevices]; // 0: not yet, 1: off, 2: on
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    if (device < 0 || device >= kDevices) return false;
+    const int8_t known = decided[device].load(std::memory_order_relaxed);
+    if (known) return known == 2;
+    int major = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    const char *env = std::getenv("CONDUIT_PDL");
+    const bool on = major >= 9 && !(env && std::strcmp(env, "0") == 0);
+    decided[device].store(on ? 2 : 1, std::memory_order_relaxed);
+    return on;
 }
 
 namespace {
