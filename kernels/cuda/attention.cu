@@ -38,6 +38,8 @@ constexpr int32_t kMinMmaSplitKeys = 256;
 // shared memory: merge_row_floats(n_splits, head_dim) floats.
 template <typename T> __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const AttentionParams p) {
     extern __shared__ float4 merge_smem[];
+    wait_for_prior_grids(); // launched chained (common.cuh): the partials are the kernel before's
+    allow_dependent_launch();
     merge_split_rows<T>(p, blockIdx.x, 1, reinterpret_cast<float *>(merge_smem), merge_row_floats(p.n_splits, p.head_dim));
 }
 
@@ -46,8 +48,7 @@ template <typename T> __global__ void __launch_bounds__(kMergeThreads) merge_spl
 template <typename T> void merge_splits(const AttentionParams &p, cudaStream_t stream) {
     if (p.n_splits <= 1 || p.split_counters) return;
     const size_t smem = size_t(merge_row_floats(p.n_splits, p.head_dim)) * sizeof(float);
-    merge_splits_kernel<T><<<unsigned(p.n_q * p.n_heads), kMergeThreads, smem, stream>>>(p);
-    CUDA_CHECK_LAUNCH("merge_splits_kernel");
+    launch_chained(merge_splits_kernel<T>, dim3(unsigned(p.n_q * p.n_heads)), dim3(kMergeThreads), smem, stream, p);
 }
 
 // Runs the split-KV kernel with p's split plan (p.n_splits, p.split_tokens, and partial buffers when
@@ -55,8 +56,7 @@ template <typename T> void merge_splits(const AttentionParams &p, cudaStream_t s
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
 void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
     const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads * p.head_tiles), unsigned(p.n_splits)};
-    split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile><<<grid, kAttnThreads, 0, stream>>>(p);
-    CUDA_CHECK_LAUNCH("split_kv_attention_kernel");
+    launch_chained(split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile>, grid, dim3(kAttnThreads), 0, stream, p);
     merge_splits<T>(p, stream);
 }
 

@@ -103,6 +103,8 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     constexpr int kVec = S::kVec, kF = S::kFloats, kRows = S::kRowsPerGroup;
     __shared__ uint4 smem[S::kSmemChunks];
+    wait_for_prior_grids(); // launched chained (common.cuh): q, the tables and the new K/V are earlier kernels'
+    allow_dependent_launch();
     __shared__ int32_t pos_smem[kAttnStages][S::kTileRows];
     __shared__ float max_smem[kAttnWarps][kGroupTile], sum_smem[kAttnWarps][kGroupTile];
 

@@ -251,6 +251,8 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
     using S = DecodeShape<kHeadDim>;
     extern __shared__ uint4 decode_smem[];
     __shared__ bool visible_smem[S::kStages][S::kTileKeys];
+    wait_for_prior_grids(); // launched chained (common.cuh): q, the step's tables and the new K/V are earlier kernels'
+    allow_dependent_launch();
     const int32_t qi = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const int32_t warp = threadIdx.x / 32;
 
@@ -367,8 +369,8 @@ void launch_decode_mma(const AttentionParams &p, DType dtype, cudaStream_t strea
         using S = DecodeShape<K::head_dim>;
         K::allow_smem();
         const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads), unsigned(p.n_splits)};
-        decode_mma_kernel<typename K::type, K::head_dim, K::tall><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-        CUDA_CHECK_LAUNCH("decode_mma_kernel");
+        launch_chained(decode_mma_kernel<typename K::type, K::head_dim, K::tall>, grid, dim3(S::kThreads), S::kSmemBytes,
+                       stream, p);
     });
 }
 
