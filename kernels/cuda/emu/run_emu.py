@@ -56,11 +56,11 @@ def split_top_level(text: str) -> list:
     return parts
 
 
-def run_on_gpu(build: pathlib.Path, arch: str) -> int:
+def run_on_gpu(build: pathlib.Path, arch: str, defines: list[str]) -> int:
     build.mkdir(parents=True, exist_ok=True)
     binary = build / "test_cuda_kernels_gpu"
     units = sorted(CUDA_DIR.glob("*.cu")) + sorted((KERNELS_DIR / "cpu").glob("*.cpp")) + [HERE / "test_cuda_kernels.cpp"]
-    cmd = ["nvcc", "-std=c++17", "-O2", f"-arch={arch}", "-DCONDUIT_TEST_ON_GPU", f"-I{KERNELS_DIR}", "-o",
+    cmd = ["nvcc", "-std=c++17", "-O2", f"-arch={arch}", "-DCONDUIT_TEST_ON_GPU", *defines, f"-I{KERNELS_DIR}", "-o",
            str(binary)] + [str(u) for u in units]
     print(" ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
@@ -101,10 +101,13 @@ def main() -> int:
     parser.add_argument("--cuda-include", default=os.environ.get("CUDA_INCLUDE", "/usr/local/cuda/include"))
     parser.add_argument("--gpu", action="store_true", help="build with nvcc and run on the GPU")
     parser.add_argument("--arch", default="native", help="nvcc -arch for --gpu")
+    parser.add_argument("--define", "-D", action="append", default=[], metavar="NAME=VALUE",
+                        help="a macro for the kernels' build-time knobs (e.g. CONDUIT_MHA_ATTN_STAGES=3)")
     args = parser.parse_args()
+    defines = [f"-D{d}" for d in args.define]
     build = pathlib.Path(args.build_dir)
     if args.gpu:
-        return run_on_gpu(build, args.arch)
+        return run_on_gpu(build, args.arch, defines)
     src = build / "cuda"
     src.mkdir(parents=True, exist_ok=True)
     # One copy of the interface for every include path: kernels.h and the CPU backend beside it.
@@ -123,7 +126,7 @@ def main() -> int:
         out.write_text(text)
     units += [HERE / "emu.cpp", HERE / "test_cuda_kernels.cpp"] + sorted((build / "cpu").glob("*.cpp"))
     binary = build / "test_emu"
-    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-Wall", "-Wno-unknown-pragmas",
+    cmd = ["g++", "-std=c++20", "-O1", "-g", "-ffp-contract=off", "-pthread", "-Wall", "-Wno-unknown-pragmas", *defines,
            f"-I{args.cuda_include}", f"-I{HERE}", f"-I{src}", f"-I{build}", "-o", str(binary)] + [str(u) for u in units]
     print(" ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
