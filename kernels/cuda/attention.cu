@@ -55,11 +55,8 @@ template <typename T> void merge_splits(const AttentionParams &p, cudaStream_t s
 // n_splits > 1), then merges the splits.
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
 void launch_split_kv(const AttentionParams &p, cudaStream_t stream) {
-    using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
-    constexpr auto kernel = &split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile>;
-    allow_dynamic_smem<kernel>(S::kSmemBytes);
     const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads * p.head_tiles), unsigned(p.n_splits)};
-    launch_chained(kernel, grid, dim3(kAttnThreads), S::kSmemBytes, stream, p);
+    launch_chained(split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile>, grid, dim3(kAttnThreads), 0, stream, p);
     merge_splits<T>(p, stream);
 }
 
@@ -129,11 +126,9 @@ template <typename T, int kLanes, int kPerLane, int kGroupTile> int64_t resident
     static std::atomic<int> per_sm{0}; // the same instantiation has the same occupancy on every launch
     int n = per_sm.load();
     if (n == 0) {
-        using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
-        constexpr auto kernel = &split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile>;
-        allow_dynamic_smem<kernel>(S::kSmemBytes); // the occupancy counts only the smem it is allowed
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void *>(kernel),
-                                                                 kAttnThreads, S::kSmemBytes));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &n, reinterpret_cast<const void *>(&split_kv_attention_kernel<T, kLanes, kPerLane, kGroupTile>),
+            kAttnThreads, 0));
         n = std::max(n, 1);
         per_sm.store(n);
     }

@@ -5,7 +5,7 @@
 // one KV head and up to kGroupTile of the query heads that share it (GQA), so every K and V byte of
 // its slot range is read once per query. Work per CTA:
 //   1. cp.async streams tiles of K, V (16-byte chunks of the contiguous [block_size, head_dim] runs
-//      of the head) and the slots' positions into a ring of S::kStages shared-memory stages.
+//      of the head) and the slots' positions into shared memory, double-buffered.
 //   2. Each warp splits into row groups of kLanes lanes; a row group takes one key row at a time,
 //      every lane holding kLanes-interleaved 16-byte chunks of head_dim. A lane keeps the matching
 //      chunks of q (pre-scaled by scale * log2 e) and of the output accumulator for each head, so a
@@ -102,11 +102,10 @@ template <typename T, int kLanes, int kPerLane, int kGroupTile>
 __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const AttentionParams p) {
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     constexpr int kVec = S::kVec, kF = S::kFloats, kRows = S::kRowsPerGroup;
-    extern __shared__ uint4 attn_smem[]; // S::kSmemBytes: S::kStages stages of K, V tiles
-    uint4 *smem = attn_smem;
+    __shared__ uint4 smem[S::kSmemChunks];
     wait_for_prior_grids(); // launched chained (common.cuh): q, the tables and the new K/V are earlier kernels'
     allow_dependent_launch();
-    __shared__ int32_t pos_smem[S::kStages][S::kTileRows];
+    __shared__ int32_t pos_smem[kAttnStages][S::kTileRows];
     __shared__ float max_smem[kAttnWarps][kGroupTile], sum_smem[kAttnWarps][kGroupTile];
 
     const int32_t qi = blockIdx.x;
@@ -160,21 +159,21 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     if (p.trim_to_visible) trim_to_visible(p.positions, q_position, begin, end);
     const int32_t n_tiles = end > begin ? (end - begin + S::kTileRows - 1) / S::kTileRows : 0;
 #pragma unroll
-    for (int t = 0; t < S::kStages - 1; ++t) {
+    for (int t = 0; t < kAttnStages - 1; ++t) {
         if (t < n_tiles)
             load_tile<S, T>(p, table, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
         cp_async_commit();
     }
     for (int32_t tile = 0; tile < n_tiles; ++tile) {
-        const int32_t ahead = tile + S::kStages - 1;
+        const int32_t ahead = tile + kAttnStages - 1;
         if (ahead < n_tiles)
             load_tile<S, T>(p, table, kv_head, begin + ahead * S::kTileRows, end,
-                            smem + (ahead % S::kStages) * S::kStageChunks, pos_smem[ahead % S::kStages]);
+                            smem + (ahead % kAttnStages) * S::kStageChunks, pos_smem[ahead % kAttnStages]);
         cp_async_commit();
-        cp_async_wait<S::kStages - 1>();
+        cp_async_wait<kAttnStages - 1>();
         __syncthreads();
 
-        const int32_t stage = tile % S::kStages;
+        const int32_t stage = tile % kAttnStages;
         const uint4 *k_tile = smem + stage * S::kStageChunks;
         const uint4 *v_tile = k_tile + S::kTileChunks;
         const int32_t tile_start = begin + tile * S::kTileRows;

@@ -196,6 +196,16 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
 }
 
 
+// Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
+template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
+    static bool done[64] = {};
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    if (device >= 0 && device < 64 && done[device]) return;
+    CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(kKernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(bytes)));
+    if (device >= 0 && device < 64) done[device] = true;
+}
 
 // One warp's rows: which (query, head) each of its two fragment rows (g and g + 8) is. Rows are
 // (query, head) pairs of one KV head, query-major: row r = query r / group, head r % group.

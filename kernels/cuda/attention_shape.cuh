@@ -9,13 +9,7 @@ namespace conduit::kernels::cuda {
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
-// cp.async stages of the CUDA-core kernel: 2 with a GQA group (issue-bound: deeper rings measured no
-// faster on an H200, docs/benchmarks/runs.md, third session); CONDUIT_MHA_ATTN_STAGES for multi-head
-// layers (group 1), whose few FMAs a byte leave the kernel waiting on its loads (a build-time knob).
 constexpr int kAttnStages = 2;
-#ifndef CONDUIT_MHA_ATTN_STAGES
-#define CONDUIT_MHA_ATTN_STAGES 2
-#endif
 
 struct AttentionParams {
     const void *pool;
@@ -79,12 +73,9 @@ template <typename T, int kLanes, int kPerLane, int kGroupTile> struct AttnShape
     static constexpr int kTileRows = kAttnWarps * kGroupsPerWarp * kRowsPerGroup; // 512 / kRowChunks
     static constexpr int kTileChunks = kTileRows * kRowChunks;     // 512 (8 KiB) per tensor
     static constexpr int kStageChunks = 2 * kTileChunks;           // K then V
-    static constexpr int kStages = kGroupTile == 1 ? CONDUIT_MHA_ATTN_STAGES : kAttnStages;
-    static_assert(kStages >= 2, "a ring of at least two stages");
     static constexpr int kMergeFloats = kAttnWarps * kGroupTile * kRowChunks * kVec;
     static constexpr int kSmemChunks =
-        kStages * kStageChunks > kMergeFloats / 4 ? kStages * kStageChunks : kMergeFloats / 4;
-    static constexpr size_t kSmemBytes = size_t(kSmemChunks) * 16; // dynamic: the stages, then the merge
+        kAttnStages * kStageChunks > kMergeFloats / 4 ? kAttnStages * kStageChunks : kMergeFloats / 4;
 };
 
 // Query heads per CTA: the smallest of 1, 2, 4, 8 that holds the GQA group (larger groups take

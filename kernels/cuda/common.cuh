@@ -110,17 +110,6 @@ void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sme
 #endif
 }
 
-// Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
-template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
-    static bool done[64] = {};
-    int device = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    if (device >= 0 && device < 64 && done[device]) return;
-    CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(kKernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(bytes)));
-    if (device >= 0 && device < 64) done[device] = true;
-}
-
 // A grow-only device scratch buffer of at least `bytes` for (current device, stream), or null when
 // the device is out of memory (runtime.cu). Valid until the next call for the same stream; work
 // enqueued on that stream may use it without further synchronisation.
