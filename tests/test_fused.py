@@ -165,9 +165,10 @@ def test_gemv_with_the_query_rotation_equals_the_gemv_then_rotate(dtype, heads, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_projections_with_their_epilogues_match_transformers(device):
-    """``linear_rotate_q`` and ``linear_silu_gate`` against transformers' chains on one row (the
-    Triton kernels on CUDA, the torch chains on the CPU), in float32: rotate_half RoPE of q_proj's
-    output, and act_fn(gate_proj(x)) * up_proj(x)."""
+    """``linear_rotate_q`` and ``linear_silu_gate`` against transformers' chains on one row, in
+    float32: rotate_half RoPE of q_proj's output, and act_fn(gate_proj(x)) * up_proj(x). Float32 takes
+    the paths that define the results (the fused GEMV takes bf16/f16 rows and is checked bit for bit
+    against them above)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     gen = torch.Generator(device=device).manual_seed(3)
