@@ -6,9 +6,10 @@
 // took 2.3 us off the CUDA-core kernel's 28.5 at LLaVA-7B's 4K decode, but put 1.5-3 us on the
 // tensor-core decode at GQA 4, 32K-128K keys, where one CTA per KV head merged the four rows that
 // the merge kernel gives a CTA each.) If the workspace cannot be allocated, the call falls back to a
-// single split; if the counters cannot, to the second launch: slower, same result. batch_attention (a decode step over a
-// batch of sequences) plans its splits from the batch's shape alone and takes its counters and
-// partials from the caller's workspace, so that it allocates nothing and can be graph-captured.
+// single split; if the counters cannot, to the second launch: slower, same result. batch_attention
+// (a decode step over a batch of sequences) plans its splits from the batch's shape alone and takes
+// its counters and partials from the caller's workspace, so that it allocates nothing and can be
+// graph-captured.
 // Many queries take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA
 // group, bf16/f16 and head_dim 64/128, the tensor-core decode kernel (attention_mma_decode.cu).
 // Every kernel splits the keys only while its unsplit grid (queries or row tiles x KV heads) is
