@@ -122,13 +122,6 @@ inline bool mma_tiles_fit(DType dtype, int32_t head_dim) {
     return (dtype == DType::BF16 || dtype == DType::F16) && (head_dim == 64 || head_dim == 128);
 }
 
-// False when the environment variable `name` is "0" (a tensor-core path turned off for measuring the
-// CUDA-core one); read by the caller once per process.
-inline bool env_not_zero(const char *name) {
-    const char *value = std::getenv(name);
-    return !(value && value[0] == '0' && value[1] == '\0');
-}
-
 // Whether attention.cu should take the tensor-core path for these shapes.
 inline bool mma_attention_applies(DType dtype, int32_t head_dim, int32_t n_q, int32_t group) {
     return mma_tiles_fit(dtype, head_dim) && (n_q >= 16 || int64_t(n_q) * group >= 64);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -59,6 +60,13 @@ template <typename F> void dispatch_dtype(DType dtype, F &&f) {
 
 // Streaming multiprocessors of the current device (runtime.cu).
 int32_t sm_count();
+
+// False when the environment variable `name` is "0" (a path or feature turned off for measuring the
+// other: CONDUIT_DECODE_MMA, CONDUIT_PDL, ...); read by the caller once per process.
+inline bool env_not_zero(const char *name) {
+    const char *value = std::getenv(name);
+    return !(value && value[0] == '0' && value[1] == '\0');
+}
 
 // ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (PDL, sm_90+)

@@ -13,7 +13,6 @@
 // arena's one-thread rule already says so); (3) the buffers live until the process exits, on
 // purpose: freeing them from a static destructor would race the CUDA runtime's own teardown.
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -193,8 +192,7 @@ bool chained_launch_enabled() {
     if (known) return known == 2;
     int major = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    const char *env = std::getenv("CONDUIT_PDL");
-    const bool on = major >= 9 && !(env && std::strcmp(env, "0") == 0);
+    const bool on = major >= 9 && env_not_zero("CONDUIT_PDL");
     decided[device].store(on ? 2 : 1, std::memory_order_relaxed);
     return on;
 }
