@@ -103,8 +103,6 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     constexpr int kVec = S::kVec, kF = S::kFloats, kRows = S::kRowsPerGroup;
     __shared__ uint4 smem[S::kSmemChunks];
-    wait_for_prior_grids(); // launched chained (common.cuh): q, the tables and the new K/V are earlier kernels'
-    allow_dependent_launch();
     __shared__ int32_t pos_smem[kAttnStages][S::kTileRows];
     __shared__ float max_smem[kAttnWarps][kGroupTile], sum_smem[kAttnWarps][kGroupTile];
 
@@ -123,9 +121,21 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
     const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int32_t row_group = lane / kLanes, j = lane % kLanes;
     const int32_t n_chunks = p.head_dim / kVec;
-    const int32_t q_position = p.q_pos ? p.q_pos[qi] : INT32_MAX;
     const int32_t first_head = kv_head * p.group + head_tile * kGroupTile; // of this CTA
     const int32_t n_my_heads = min(kGroupTile, p.group - head_tile * kGroupTile);
+
+    // Launched chained (common.cuh): q and the new K/V are the previous kernels'. The first tiles that
+    // hold neither stream before the wait (tiles_before_wait), the rest of the first stages after it.
+    const int32_t early = p.trim_to_visible ? 0 : tiles_before_wait(p, begin, n_tokens, S::kTileRows,
+                                                                    (end - begin + S::kTileRows - 1) / S::kTileRows,
+                                                                    kAttnStages - 1);
+    for (int t = 0; t < early; ++t) {
+        load_tile<S, T>(p, table, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
+        cp_async_commit();
+    }
+    wait_for_prior_grids();
+    allow_dependent_launch();
+    const int32_t q_position = p.q_pos ? p.q_pos[qi] : INT32_MAX;
 
     // q chunks of this lane, pre-scaled; heads past the group and padding chunks are zero.
     float q[kGroupTile][kF];
@@ -158,8 +168,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
 
     if (p.trim_to_visible) trim_to_visible(p.positions, q_position, begin, end);
     const int32_t n_tiles = end > begin ? (end - begin + S::kTileRows - 1) / S::kTileRows : 0;
-#pragma unroll
-    for (int t = 0; t < kAttnStages - 1; ++t) {
+    for (int t = early; t < kAttnStages - 1; ++t) { // one commit group per stage, as the loop counts them
         if (t < n_tiles)
             load_tile<S, T>(p, table, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
         cp_async_commit();

@@ -251,8 +251,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
     using S = DecodeShape<kHeadDim>;
     extern __shared__ uint4 decode_smem[];
     __shared__ bool visible_smem[S::kStages][S::kTileKeys];
-    wait_for_prior_grids(); // launched chained (common.cuh): q, the step's tables and the new K/V are earlier kernels'
-    allow_dependent_launch();
     const int32_t qi = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const int32_t warp = threadIdx.x / 32;
 
@@ -265,6 +263,18 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
     }
     const int32_t begin = min(n_tokens, split * split_tokens);
     const int32_t end = min(n_tokens, begin + split_tokens);
+    const int32_t n_tiles = (end - begin + S::kTileKeys - 1) / S::kTileKeys;
+
+    // Launched chained (common.cuh): q and the new K/V are the previous kernels'. The first tiles that
+    // hold neither stream before the wait (tiles_before_wait), the rest of the first stages after it.
+    const int32_t early = tiles_before_wait(p, begin, n_tokens, S::kTileKeys, n_tiles, S::kStages - 1);
+    for (int tile = 0; tile < early; ++tile) {
+        load_decode_tile<T, kHeadDim>(p, table, kv_head, begin + tile * S::kTileKeys, end, INT32_MAX, // no positions
+                                      decode_smem + tile * S::kStageChunks, visible_smem[tile]);
+        cp_async_commit();
+    }
+    wait_for_prior_grids();
+    allow_dependent_launch();
     const int32_t q_position = p.q_pos ? p.q_pos[qi] : INT32_MAX;
 
     uint32_t q_frag[S::kDimSteps][4];
@@ -280,9 +290,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
         state.run_sum[h] = 0.0f;
     }
 
-    const int32_t n_tiles = (end - begin + S::kTileKeys - 1) / S::kTileKeys;
-#pragma unroll
-    for (int tile = 0; tile < S::kStages - 1; ++tile) {
+    for (int tile = early; tile < S::kStages - 1; ++tile) { // one commit group per stage, as the loop counts them
         if (tile < n_tiles)
             load_decode_tile<T, kHeadDim>(p, table, kv_head, begin + tile * S::kTileKeys, end, q_position,
                                           decode_smem + tile * S::kStageChunks, visible_smem[tile]);

@@ -40,6 +40,9 @@ struct AttentionParams {
     int32_t split_tokens;   // slots per split, a multiple of the tile rows (with seq_n_tokens: derived per
                             // query from its length by split_tokens_for)
     bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
+    bool tiles_before_wait; // a decode step over a batch (seq_n_tokens set, positions null): only each
+                            // sequence's last slot is the previous kernel's (the step's K/V write), so
+                            // the first tiles below it may stream before wait_for_prior_grids()
 };
 
 constexpr int32_t kMinSplitTokens = 128; // below this a split's fixed cost outweighs the parallelism
@@ -51,6 +54,19 @@ __host__ __device__ inline int32_t split_tokens_for(int32_t n_tokens, int32_t n_
     const int32_t floor = (kMinSplitTokens + tile_rows - 1) / tile_rows * tile_rows;
     const int32_t rounded = (per_split + tile_rows - 1) / tile_rows * tile_rows;
     return rounded > floor ? rounded : floor;
+}
+
+// Tiles of a CTA's split [begin, ...) that it may load before wait_for_prior_grids(), at most
+// `ahead` (its pipeline depth) and n_tiles: with p.tiles_before_wait, those wholly below the last slot
+// (n_tokens - 1), which the kernel just before wrote. Everything else they read (the lengths, the block
+// tables, older K/V) was written before that kernel started, and a chained kernel starts only once the
+// one before it has passed its own wait (common.cuh): the previous kernel's predecessors are complete.
+// Loading them early overlaps the pipeline's cold start with the K/V write's tail. Never with
+// positions: the early tiles are loaded before q's position is read, so nothing may mask them.
+__device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, int32_t begin, int32_t n_tokens,
+                                                     int32_t tile_rows, int32_t n_tiles, int32_t ahead) {
+    if (!p.tiles_before_wait || p.positions || n_tokens - 1 <= begin) return 0;
+    return min(min((n_tokens - 1 - begin) / tile_rows, n_tiles), ahead);
 }
 
 // Fills AttentionParams from a layer and the queries, checking the kernels' preconditions

@@ -77,6 +77,12 @@ template <typename T> struct LastSlotRows {
     __device__ LastSlotRows at_layer(int32_t) const { return *this; }
 };
 
+#ifndef CONDUIT_KV_WRITE_EARLY_TRIGGER
+#define CONDUIT_KV_WRITE_EARLY_TRIGGER 0
+#endif
+template <typename Dst> constexpr bool kIsLastSlot = false;
+template <typename T> constexpr bool kIsLastSlot<LastSlotRows<T>> = true;
+
 __global__ void scatter_ints_kernel(int32_t *dst, const int32_t *pairs, int32_t n_pairs) {
     const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j < n_pairs) dst[pairs[2 * j]] = pairs[2 * j + 1];
@@ -127,6 +133,11 @@ __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
                      const int32_t *rope_pos) {
     extern __shared__ float k_staged[];
+#if CONDUIT_KV_WRITE_EARLY_TRIGGER
+    // Experiment: a decode step's write of the new K/V row lets the attention after it start at once
+    // (that kernel reads only what older kernels wrote before its own wait, attention_shape.cuh).
+    if constexpr (kIsLastSlot<Dst>) allow_dependent_launch();
+#endif
     wait_for_prior_grids(); // launched chained: the rows and positions may be the previous kernel's
     allow_dependent_launch();
     const Src src = all_src.at_layer(int32_t(blockIdx.y));
