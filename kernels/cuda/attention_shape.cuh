@@ -58,10 +58,10 @@ __host__ __device__ inline int32_t split_tokens_for(int32_t n_tokens, int32_t n_
 
 // Tiles of a CTA's split [begin, ...) that it may load before wait_for_prior_grids(), at most
 // `ahead` (its pipeline depth) and n_tiles: with p.tiles_before_wait, those wholly below the last slot
-// (n_tokens - 1), which the kernel just before wrote. Everything else they read (the lengths, the block
-// tables, older K/V) was written before that kernel started, and a chained kernel starts only once the
-// one before it has passed its own wait (common.cuh): the previous kernel's predecessors are complete.
-// Loading them early overlaps the pipeline's cold start with the K/V write's tail. Never with
+// (n_tokens - 1), which the kernel just before wrote (the step's K/V write). Everything else they read
+// (the lengths, the block tables, older K/V) was written before the step's first kernel: by
+// conduit_step_prepare and earlier steps. Loading them early overlaps the pipeline's cold start with
+// the kernels before it. Never with
 // positions: the early tiles are loaded before q's position is read, so nothing may mask them.
 __device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, int32_t begin, int32_t n_tokens,
                                                      int32_t tile_rows, int32_t n_tiles, int32_t ahead) {

@@ -134,8 +134,9 @@ __global__ void __launch_bounds__(kThreads)
                      const int32_t *rope_pos) {
     extern __shared__ float k_staged[];
 #if CONDUIT_KV_WRITE_EARLY_TRIGGER
-    // Experiment: a decode step's write of the new K/V row lets the attention after it start at once
-    // (that kernel reads only what older kernels wrote before its own wait, attention_shape.cuh).
+    // A decode step's write of the new K/V rows lets the attention after it be scheduled at once, while
+    // the projection before this kernel drains: before its own wait, that kernel reads nothing the
+    // step's kernels write (attention_shape.cuh, tiles_before_wait).
     if constexpr (kIsLastSlot<Dst>) allow_dependent_launch();
 #endif
     wait_for_prior_grids(); // launched chained: the rows and positions may be the previous kernel's
