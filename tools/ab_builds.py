@@ -8,7 +8,8 @@ the Python package is the working tree's for every variant (the variants differ 
 
 Here (with git), source trees into .ab/ (ignore it: ``echo /.ab/ >> .git/info/exclude``):
 
-    python3 tools/ab_builds.py prepare main ring3=mha-ring-aligned+CONDUIT_MHA_ATTN_STAGES=3
+    python3 tools/ab_builds.py prepare main ring3=mha-ring-aligned+CONDUIT_MHA_ATTN_STAGES=3 \
+        main_nopdl=main+env:CONDUIT_PDL=0
 
 On the GPU machine (carry ``.ab``): builds every variant in parallel, then per round runs
 ``tools/bench_decode_attention.py --no-sdpa`` and ``tools/profile_decode.py`` for each variant in turn:
@@ -33,12 +34,15 @@ SOURCES = ["native", "kernels", "CMakeLists.txt", "pyproject.toml"]  # what a li
 
 
 def parse_variant(spec: str) -> dict:
-    """``NAME=REF+MACRO=VALUE+...`` or ``REF+...`` (then NAME = REF) -> {name, ref, defines}."""
-    head, *defines = spec.split("+")
+    """``NAME=REF+MACRO=VALUE+env:VAR=VALUE+...`` or ``REF+...`` (then NAME = REF) -> {name, ref,
+    defines, env}: macros for the library's build, environment variables for its measurements."""
+    head, *rest = spec.split("+")
     name, named, ref = head.partition("=")
     if not named:
         ref = name
-    return {"name": name.replace("/", "_"), "ref": ref, "defines": defines}
+    env = dict(item[len("env:"):].split("=", 1) for item in rest if item.startswith("env:"))
+    defines = [item for item in rest if not item.startswith("env:")]
+    return {"name": name.replace("/", "_"), "ref": ref, "defines": defines, "env": env}
 
 
 def prepare(specs: list[str]) -> None:
@@ -54,7 +58,8 @@ def prepare(specs: list[str]) -> None:
         v["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", v["ref"]], check=True,
                                      capture_output=True, text=True).stdout.strip()
     (AB_DIR / "plan.json").write_text(json.dumps(variants, indent=1))
-    print("\n".join(f"{v['name']}: {v['ref']} ({v['commit']}) {' '.join(v['defines'])}" for v in variants))
+    print("\n".join(f"{v['name']}: {v['ref']} ({v['commit']}) {' '.join(v['defines'])} "
+                    f"{' '.join(f'{k}={x}' for k, x in v['env'].items())}" for v in variants))
 
 
 def build(v: dict, arch: str) -> pathlib.Path:
@@ -69,10 +74,11 @@ def build(v: dict, arch: str) -> pathlib.Path:
     return build_dir / "libconduit.so"
 
 
-def measure(lib: pathlib.Path, tool: list[str]) -> dict:
-    """Runs a tool of tools/ with CONDUIT_LIB=lib and returns the JSON it wrote."""
+def measure(lib: pathlib.Path, tool: list[str], extra_env: dict[str, str]) -> dict:
+    """Runs a tool of tools/ with CONDUIT_LIB=lib (and extra_env) and returns the JSON it wrote."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = {**os.environ, "CONDUIT_LIB": str(lib), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, **extra_env, "CONDUIT_LIB": str(lib),
+               "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
         subprocess.run([sys.executable, *tool, "--out", out.name], cwd=ROOT, env=env, check=True,
                        capture_output=True)
         return json.load(open(out.name))
@@ -88,9 +94,9 @@ def run(rounds: int, out_path: str) -> None:
     results = {v["name"]: {**v, "rows_us": [], "step_ms": []} for v in variants}
     for _ in range(rounds):
         for v, lib in zip(variants, libs):
-            rows = measure(lib, ["tools/bench_decode_attention.py", "--no-sdpa"])["rows"]
+            rows = measure(lib, ["tools/bench_decode_attention.py", "--no-sdpa"], v.get("env", {}))["rows"]
             results[v["name"]]["rows_us"].append({k: r["seconds"] * 1e6 for k, r in rows.items()})
-            step = measure(lib, ["tools/profile_decode.py", "--steps", "64"])
+            step = measure(lib, ["tools/profile_decode.py", "--steps", "64"], v.get("env", {}))
             results[v["name"]]["step_ms"].append(step["graph_replay_device_s"] * 1e3)
     json.dump({"device": props.name, "rounds": rounds, "variants": results}, open(out_path, "w"), indent=1)
     shapes = list(results[variants[0]["name"]]["rows_us"][0])

@@ -95,13 +95,6 @@ bool merge_in_last_cta() {
     return enabled;
 }
 
-// Whether a batch decode step's attention loads its first tiles before waiting for the K/V write
-// (AttentionParams::tiles_before_wait): CONDUIT_TILES_BEFORE_WAIT=0 in the environment (read once)
-// turns it off, for A/B runs. Both give the same bits.
-bool tiles_before_wait_enabled() {
-    static const bool enabled = env_not_zero("CONDUIT_TILES_BEFORE_WAIT");
-    return enabled;
-}
 // Bytes of arrival counters for n_groups row groups (the CTAs of one split), 256-byte aligned.
 size_t counters_bytes(int64_t n_groups) { return (size_t(n_groups) * sizeof(uint32_t) + 255) / 256 * 256; }
 
@@ -310,7 +303,7 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
     p.table_stride = kv.table_stride;
     p.n_tokens = kv.max_tokens;
     p.trim_to_visible = false;
-    p.tiles_before_wait = tiles_before_wait_enabled();
+    p.tiles_before_wait = decode_overlap_enabled();
     p.out = out;
     p.lse = lse;
     const BatchPlan plan = batch_plan(kv, n_heads);

@@ -96,6 +96,12 @@ __device__ __forceinline__ void allow_dependent_launch() {
 // the environment variable CONDUIT_PDL not "0" (runtime.cu; read once per device).
 bool chained_launch_enabled();
 
+// Whether a decode step's attention overlaps the K/V write before it (with PDL): the write lets it be
+// scheduled at once, and it streams its first tiles before its wait (AttentionParams::
+// tiles_before_wait). CONDUIT_DECODE_OVERLAP=0 in the environment (read once) turns both off, for
+// A/B runs; the results are the same bits (runtime.cu).
+bool decode_overlap_enabled();
+
 // kernel<<<grid, block, smem, stream>>>(args...), with PDL where chained_launch_enabled(). The
 // kernel must begin with wait_for_prior_grids() (see above).
 template <typename... Params, typename... Args>

@@ -26,6 +26,7 @@ template <typename T> struct DenseRows {
     __device__ T *k_row(int32_t token, int32_t head) const { return k ? k + offset(token, head) : nullptr; }
     __device__ T *v_row(int32_t token, int32_t head) const { return v ? v + offset(token, head) : nullptr; }
     __device__ DenseRows at_layer(int32_t) const { return *this; } // dense tensors hold one layer
+    __device__ bool dependents_first() const { return false; }
 };
 
 // Rows of one paged layer (layout in kernels.h): token i lives in slot slots[i] (or base + i).
@@ -52,6 +53,7 @@ template <typename T> struct PagedRows {
         out.block_table += layer * table_stride;
         return out;
     }
+    __device__ bool dependents_first() const { return false; }
 };
 
 // Rows of a decode step's destination: token i is sequence i's new token, in its last slot
@@ -65,6 +67,7 @@ template <typename T> struct LastSlotRows {
     int64_t v_delta;
     int32_t block_shift;
     int32_t head_dim;
+    bool overlap_attention; // decode_overlap_enabled(): the next kernel may be scheduled before our wait
 
     __device__ int64_t offset(int32_t token, int32_t head) const {
         const int32_t slot = n_tokens[token] - 1;
@@ -75,13 +78,8 @@ template <typename T> struct LastSlotRows {
     __device__ T *k_row(int32_t token, int32_t head) const { return pool + offset(token, head); }
     __device__ T *v_row(int32_t token, int32_t head) const { return pool + offset(token, head) + v_delta; }
     __device__ LastSlotRows at_layer(int32_t) const { return *this; }
+    __device__ bool dependents_first() const { return overlap_attention; }
 };
-
-#ifndef CONDUIT_KV_WRITE_EARLY_TRIGGER
-#define CONDUIT_KV_WRITE_EARLY_TRIGGER 0
-#endif
-template <typename Dst> constexpr bool kIsLastSlot = false;
-template <typename T> constexpr bool kIsLastSlot<LastSlotRows<T>> = true;
 
 __global__ void scatter_ints_kernel(int32_t *dst, const int32_t *pairs, int32_t n_pairs) {
     const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -133,12 +131,11 @@ __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
                      const int32_t *rope_pos) {
     extern __shared__ float k_staged[];
-#if CONDUIT_KV_WRITE_EARLY_TRIGGER
-    // A decode step's write of the new K/V rows lets the attention after it be scheduled at once, while
-    // the projection before this kernel drains: before its own wait, that kernel reads nothing the
-    // step's kernels write (attention_shape.cuh, tiles_before_wait).
-    if constexpr (kIsLastSlot<Dst>) allow_dependent_launch();
-#endif
+    // A decode step's K/V write lets the attention after it be scheduled at once, while the projection
+    // before this kernel drains: before its own wait, that kernel reads nothing the step's kernels
+    // write (attention_shape.cuh, tiles_before_wait). Measured on an H200: every kernel doing so
+    // (the norms' dependents, the GEMVs') made the step slower (docs/benchmarks/runs.md, seventh session).
+    if (all_dst.dependents_first()) allow_dependent_launch();
     wait_for_prior_grids(); // launched chained: the rows and positions may be the previous kernel's
     allow_dependent_launch();
     const Src src = all_src.at_layer(int32_t(blockIdx.y));
@@ -285,7 +282,7 @@ void write_last(const BatchView &dst, const void *k, const void *v, const Rope &
         using T = typename decltype(tag)::type;
         const PagedRows<T> shape = paged_rows<T>(layout, Slots{}); // checks block_size; gives the geometry
         const LastSlotRows<T> out{shape.pool, dst.block_tables, dst.n_tokens, dst.table_stride, shape.block_elems,
-                                  shape.v_delta, shape.block_shift, dst.head_dim};
+                                  shape.v_delta, shape.block_shift, dst.head_dim, decode_overlap_enabled()};
         const DenseRows<T> in{static_cast<T *>(const_cast<void *>(k)), static_cast<T *>(const_cast<void *>(v)),
                               dst.n_kv_heads, dst.head_dim};
         const bool aligned = aligned16(k) && aligned16(v) && aligned16(dst.pool);

@@ -182,6 +182,11 @@ int32_t sm_count() {
     return sms > 0 ? sms : 1;
 }
 
+bool decode_overlap_enabled() {
+    static const bool enabled = env_not_zero("CONDUIT_DECODE_OVERLAP");
+    return enabled;
+}
+
 bool chained_launch_enabled() {
     constexpr int kDevices = 64;
     static std::atomic<int8_t> decided[kDevices]; // 0: not yet, 1: off, 2: on
