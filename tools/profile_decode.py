@@ -6,9 +6,12 @@ bench``, a ``--context``-token prompt prefilled through the arena, then
 - the graph-replayed step (``GraphedDecoder``): device time per replay (CUDA events around replays
   only) and wall time per step (prepare + input fills + replay + a host sync, as the Runtime's loop);
 - the bound: decoder weights + KV bytes read per token over the copy bandwidth;
-- whether the Triton kernels ran with programmatic dependent launch (``pdl``; ``CONDUIT_PDL=0``: off).
+- whether the Triton kernels ran with programmatic dependent launch (``pdl``; ``CONDUIT_PDL=0``: off);
+- with ``--trace``, where the replayed step's time goes: kernels traced in 8 replays, each credited
+  with the time it extends the step past every kernel before it (``replay_critical``; kernels
+  overlap under PDL, so their own durations do not add up), and the idle gaps before each.
 
-    python3 tools/profile_decode.py [--context 4096] [--steps 32] [--out profile.json]
+    python3 tools/profile_decode.py [--context 4096] [--steps 32] [--trace] [--out profile.json]
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--trace", action="store_true", help="credit the replayed step's time to its kernels")
     parser.add_argument("--out", default="profile_decode.json")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -92,6 +96,17 @@ def main() -> None:
             position += 1
         wall = (time.perf_counter() - start) / args.steps
     replay_s = sorted(b.elapsed_time(e) / 1e3 for b, e in pairs)[len(pairs) // 2]
+    critical = None
+    if args.trace:
+        replays = 8
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as traced:
+            for _ in range(replays):
+                decoder._step.prepare([seq], [position])  # noqa: SLF001
+                decoder._fill_inputs(1, position, position)  # noqa: SLF001
+                decoder._graph.replay()  # noqa: SLF001
+                position += 1
+            torch.cuda.synchronize()
+        critical = critical_path(traced.events(), replays)
 
     copy = ceilings.copy_bandwidth(Timer(device), 2 << 30)["bytes_per_s"]
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
@@ -101,12 +116,37 @@ def main() -> None:
               "graph_replay_device_s": replay_s, "graph_step_wall_s": wall,
               "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
               "copy_bytes_per_s": copy, "bound_s": (weight_bytes + kv_bytes) / copy,
-              "pdl": fused._triton() is not None and fused._triton().pdl_enabled(torch.cuda.current_device())}
+              "pdl": fused._triton() is not None and fused._triton().pdl_enabled(torch.cuda.current_device()),
+              "replay_critical": critical}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}, indent=1))
     for row in top:
         print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f} x  {row['name']}")
+    for row in critical or []:
+        print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f} x  {row['name']}  (replay, critical)")
+
+
+def critical_path(events, replays: int) -> list[dict]:
+    """Per kernel name (and "idle before" it): the device time by which its launches extend the
+    timeline past every kernel that started before them, per step. Sums to the traced span."""
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start),
+                     key=lambda e: e.time_range.start)
+    totals: dict[str, list[float]] = {}
+    frontier = kernels[0].time_range.start if kernels else 0.0
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        name = e.name[:90]
+        if start > frontier:
+            totals.setdefault(f"idle before {name}", [0.0, 0])[0] += start - frontier
+        if end > frontier:
+            row = totals.setdefault(name, [0.0, 0])
+            row[0] += end - max(start, frontier)
+            frontier = end
+        totals.setdefault(name, [0.0, 0])[1] += 1
+    rows = [{"name": name, "us_per_step": us / replays, "calls_per_step": n / replays}
+            for name, (us, n) in totals.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
 if __name__ == "__main__":
