@@ -393,6 +393,14 @@ class Sequence(_Child):
             self.arena.stream()), "attention")
         return (out, lse) if return_lse else out
 
+    def write_kv_attention(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots, rope_pos: torch.Tensor | None,
+                           q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """``write_kv`` then ``attention``: a decoder layer's two arena calls (a ``DecodeStep`` makes
+        them one kernel)."""
+        self.write_kv(layer, k, v, slots, rope_pos=rope_pos)
+        return self.attention(layer, q, q_pos, scale, out=out)
+
     def attention_stats(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
                         threshold: float = 0.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention statistics of q [n_q, n_heads, head_dim] over the layer, in one native pass.
@@ -469,17 +477,8 @@ class DecodeStep(_Child):
                  rope_pos: torch.Tensor | None = None) -> None:
         """Writes the new tokens' K, V [n_seqs, n_kv_heads, head_dim] into their slots, K rotated at
         ``rope_pos``. ``slots`` must be None: a step's tokens go to the slots ``prepare`` appended."""
-        if slots is not None:
-            raise InvalidArgumentError("a decode step writes the slots prepare appended; slots must be None")
-        self._require_prepared()
-        shape = [self.n_seqs, self.arena.n_kv_heads, self.arena.head_dim]
-        rope = self._ffi.NULL
-        if rope_pos is not None:
-            rope = self.arena.ptr(rope_pos, "rope_pos", [self.n_seqs] if rope_pos.dim() == 1 else [3, self.n_seqs],
-                                  torch.int32)
-        native.check(self._lib.conduit_step_write_kv(self.handle, layer, self.arena.ptr(k, "k", shape),
-                                                     self.arena.ptr(v, "v", shape), rope, self.arena.stream()),
-                     "writing a decode step's KV")
+        native.check(self._lib.conduit_step_write_kv(self.handle, layer, *self._kv_args(k, v, slots, rope_pos),
+                                                     self.arena.stream()), "writing a decode step's KV")
 
     def attention(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor | None = None, scale: float = 1.0,
                   return_lse: bool = False, out: torch.Tensor | None = None
@@ -488,15 +487,47 @@ class DecodeStep(_Child):
         sequence (into ``out`` when given). ``q_pos`` is not read (a decode query comes after every
         stored token, as ``prepare`` checked); it is accepted so that a step stands in for a
         ``Sequence``."""
+        qp, out, lse = self._attention_args(q, out, return_lse)
+        native.check(self._lib.conduit_step_attention(self.handle, layer, qp, float(scale), *self._outputs(out, lse),
+                                                      self.arena.stream()), "decode step attention")
+        return (out, lse) if return_lse else out
+
+    def write_kv_attention(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: None,
+                           rope_pos: torch.Tensor | None, q: torch.Tensor, q_pos: torch.Tensor | None = None,
+                           scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``write_kv`` then ``attention`` (the same bits) in one native call, which on CUDA writes the
+        new rows inside the attention kernel: one launch fewer per layer."""
+        kv_args = self._kv_args(k, v, slots, rope_pos)
+        qp, out, lse = self._attention_args(q, out, False)
+        native.check(self._lib.conduit_step_write_kv_attention(self.handle, layer, *kv_args, qp, float(scale),
+                                                               *self._outputs(out, lse), self.arena.stream()),
+                     "decode step KV write and attention")
+        return out
+
+    def _kv_args(self, k: torch.Tensor, v: torch.Tensor, slots: None, rope_pos: torch.Tensor | None) -> tuple:
+        """(k, v, rope_pos) pointers of the new tokens, checked."""
+        if slots is not None:
+            raise InvalidArgumentError("a decode step writes the slots prepare appended; slots must be None")
+        self._require_prepared()
+        shape = [self.n_seqs, self.arena.n_kv_heads, self.arena.head_dim]
+        rope = self._ffi.NULL
+        if rope_pos is not None:
+            rope = self.arena.ptr(rope_pos, "rope_pos", [self.n_seqs] if rope_pos.dim() == 1 else [3, self.n_seqs],
+                                  torch.int32)
+        return self.arena.ptr(k, "k", shape), self.arena.ptr(v, "v", shape), rope
+
+    def _attention_args(self, q: torch.Tensor, out: torch.Tensor | None,
+                        return_lse: bool) -> tuple[object, torch.Tensor, torch.Tensor | None]:
+        """(q pointer, out, lse or None) of the step's queries, checked."""
         self._require_prepared()
         qp = self.arena.ptr(q, "q", [self.n_seqs, self.n_heads, self.arena.head_dim])
         out = _output_like(self.arena, q, out)
         lse = torch.empty(self.n_seqs, self.n_heads, dtype=torch.float32, device=q.device) if return_lse else None
-        native.check(self._lib.conduit_step_attention(
-            self.handle, layer, qp, float(scale), self._ffi.cast("void *", out.data_ptr()),
-            self._ffi.cast("float *", lse.data_ptr()) if lse is not None else self._ffi.NULL, self.arena.stream()),
-            "decode step attention")
-        return (out, lse) if return_lse else out
+        return qp, out, lse
+
+    def _outputs(self, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+        return (self._ffi.cast("void *", out.data_ptr()),
+                self._ffi.cast("float *", lse.data_ptr()) if lse is not None else self._ffi.NULL)
 
 
 class ImageEntry(_Child):

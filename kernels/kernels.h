@@ -153,6 +153,12 @@ CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
     void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,     \
                          float *lse, void *workspace, size_t workspace_bytes, void *stream);              \
     size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads);                        \
+    /* write_last(kv, k, v, rope, rope_pos) then batch_attention(kv, ...): the same bits, and on CUDA   \
+       one launch fewer (the attention writes the rows it then reads, attention_shape.cuh). */          \
+    void batch_write_attention(const BatchView &kv, const void *k, const void *v, const Rope &rope,      \
+                               const int32_t *rope_pos, int32_t n_heads, const void *q, float scale,     \
+                               void *out, float *lse, void *workspace, size_t workspace_bytes,           \
+                               void *stream);                                                             \
     /* dst[pairs[2j]] = pairs[2j + 1] for j < n_pairs (device int32 pairs): patches a step's tables. */   \
     void scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *stream);                \
     /* Bytes of device workspace topk needs for n scores. */                                              \

@@ -165,6 +165,57 @@ def test_split_decode_is_the_same_across_calls_and_graph_replays(dtype: torch.dt
     arena.close()
 
 
+# write_kv_attention is write_kv then attention in one call (on CUDA the attention kernel writes the
+# rows it reads): two arenas filled alike step on, one with the two calls, one with the fused call,
+# and hold the same bits after every step: the arena's K (rotated, NEOX and M-RoPE) and V, and the
+# output. Lengths put the new slot at the start, inside and at the end of a split's tiles, with
+# several splits (a 4096-token step) on the CUDA-core kernel (MHA) and the tensor-core decode (GQA).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["neox", "mrope"])
+@pytest.mark.parametrize("n_kv_heads,group,head_dim", [(8, 1, 128), (2, 4, 64)])
+def test_write_kv_attention_equals_write_kv_then_attention(device: str, kind: str, n_kv_heads: int, group: int,
+                                                           head_dim: int) -> None:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n_heads, scale, lengths = n_kv_heads * group, head_dim**-0.5, (1, 127, 300, 1023)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    arenas, steps, batches = [], [], []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(11)
+        arena = KVArena(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+                        block_size=16, kv_bytes=64 << 20)
+        sections = (head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16)  # sums to head_dim / 2
+        arena.set_rope(inv_freq, kind, sections=sections if kind == "mrope" else (0, 0, 0))
+        seqs = []
+        for n in lengths:
+            seq = arena.new_sequence()
+            seq.append(range(n))
+            seq.write_kv(0, *(torch.randn(n, n_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+                              for _ in range(2)))
+            seqs.append(seq)
+        arenas.append(arena)
+        steps.append(arena.new_step(max_seqs=len(lengths), max_tokens=4096, n_heads=n_heads))
+        batches.append(seqs)
+    gen = torch.Generator().manual_seed(12)
+    for t in range(3):
+        n = len(lengths)
+        k, v = (torch.randn(n, n_kv_heads, head_dim, generator=gen).to(dtype).to(device) for _ in range(2))
+        q = torch.randn(n, n_heads, head_dim, generator=gen).to(dtype).to(device)
+        rope_pos = torch.randint(0, 3000, (n,) if kind == "neox" else (3, n), generator=gen,
+                                 dtype=torch.int32).to(device)
+        for step, seqs in zip(steps, batches):
+            step.prepare(seqs, [5000 + t] * n)
+        two_calls = steps[0]
+        two_calls.write_kv(0, k, v, rope_pos=rope_pos)
+        want = two_calls.attention(0, q, None, scale)
+        got = steps[1].write_kv_attention(0, k, v, None, rope_pos, q, None, scale)
+        assert torch.equal(got, want)
+        for a, b in zip(*batches):
+            for x, y in zip(a.read_kv(0), b.read_kv(0)):
+                assert torch.equal(x, y)
+    for arena in arenas:
+        arena.close()
+
+
 def test_bad_arguments_change_nothing() -> None:
     gen = torch.Generator().manual_seed(1)
     arena = make_arena("cpu", torch.float32)

@@ -172,10 +172,10 @@ class LlamaAttention(StackedProjections):
         """Writes the n tokens' K (rotated at ``batch.rope_positions``) and V into the layer's slots,
         then attends q over every stored token of the layer, causal by position: [n, n_heads,
         head_dim] (into ``out`` when given)."""
-        seq.write_kv(layer, k, v, batch.slots, rope_pos=batch.rope_positions)
         if capture is not None:
             capture.on_layer(layer, q, k, v)
-        return seq.attention(layer, q, batch.positions, self.scale, out=out)
+        return seq.write_kv_attention(layer, k, v, batch.slots, batch.rope_positions, q, batch.positions, self.scale,
+                                      out=out)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """The output projection: attention [n, n_heads, head_dim] -> [n, hidden]."""

@@ -75,4 +75,11 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
 
 size_t batch_attention_workspace_bytes(const BatchView &, int32_t) { return 0; }
 
+void batch_write_attention(const BatchView &kv, const void *k, const void *v, const Rope &rope, const int32_t *rope_pos,
+                           int32_t n_heads, const void *q, float scale, void *out, float *lse, void *workspace,
+                           size_t workspace_bytes, void *stream) {
+    write_last(kv, k, v, rope, rope_pos, stream);
+    batch_attention(kv, n_heads, q, scale, out, lse, workspace, workspace_bytes, stream);
+}
+
 } // namespace conduit::kernels::cpu

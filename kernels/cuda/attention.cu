@@ -292,8 +292,12 @@ size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads) {
     return batch_workspace_bytes(kv, batch_plan(kv, n_heads), n_heads);
 }
 
-void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out, float *lse,
-                     void *workspace, size_t workspace_bytes, void *stream) {
+namespace {
+
+// batch_attention, and with new_k set the write of the step's new rows (batch_write_attention).
+void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out, float *lse,
+                             void *workspace, size_t workspace_bytes, void *stream, const void *new_k,
+                             const void *new_v, const Rope &rope, const int32_t *rope_pos) {
     if (kv.n_seqs <= 0) return;
     // A LayerView without tokens: attention_params checks the shape; the lengths come from the device.
     AttentionParams p = attention_params(kv.layout(), kv.n_seqs, n_heads, q, nullptr, scale);
@@ -306,6 +310,14 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
     p.tiles_before_wait = decode_overlap_enabled();
     p.out = out;
     p.lse = lse;
+    p.new_k = new_k;
+    p.new_v = new_v;
+    p.new_rope_pos = rope.type != 0 ? rope_pos : nullptr;
+    p.rope = rope;
+    if (p.new_rope_pos)
+        require(rope.inv_freq != nullptr && rope.n_freq >= 1 && 2 * rope.n_freq <= p.head_dim &&
+                    (rope.type == 1 || rope.type == 2),
+                "RoPE needs inv_freq, 1 <= n_freq <= head_dim / 2 and a known type");
     const BatchPlan plan = batch_plan(kv, n_heads);
     const bool tensor_cores = decode_mma_applies(kv.dtype, p.head_dim, p.group);
     p.n_splits = plan.n_splits;
@@ -328,6 +340,21 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
             launch_split_kv<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, as_stream(stream));
         });
     });
+}
+
+} // namespace
+
+void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float scale, void *out, float *lse,
+                     void *workspace, size_t workspace_bytes, void *stream) {
+    batch_attention_writing(kv, n_heads, q, scale, out, lse, workspace, workspace_bytes, stream, nullptr, nullptr,
+                            Rope{}, nullptr);
+}
+
+void batch_write_attention(const BatchView &kv, const void *k, const void *v, const Rope &rope,
+                           const int32_t *rope_pos, int32_t n_heads, const void *q, float scale, void *out, float *lse,
+                           void *workspace, size_t workspace_bytes, void *stream) {
+    require(k && v, "batch_write_attention needs the new K and V rows");
+    batch_attention_writing(kv, n_heads, q, scale, out, lse, workspace, workspace_bytes, stream, k, v, rope, rope_pos);
 }
 
 } // namespace conduit::kernels::cuda

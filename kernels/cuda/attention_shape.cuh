@@ -3,7 +3,7 @@
 // group) to an instantiation. Kernels: attention_kernel.cuh; host: attention.cu, attention_stats.cu.
 #pragma once
 
-#include "common.cuh"
+#include "rope.cuh"
 
 namespace conduit::kernels::cuda {
 
@@ -41,8 +41,15 @@ struct AttentionParams {
                             // query from its length by split_tokens_for)
     bool trim_to_visible;   // scan positions first and stream only [first, last] visible slot
     bool tiles_before_wait; // a decode step over a batch (seq_n_tokens set, positions null): only each
-                            // sequence's last slot is the previous kernel's (the step's K/V write), so
+                            // sequence's last slot is the previous kernels' (the step's K/V write), so
                             // the first tiles below it may stream before wait_for_prior_grids()
+    // A decode step's new rows, written by the attention itself (batch_write_attention), or null:
+    // K, V [n_q, n_kv_heads, head_dim] into each sequence's last slot, K rotated at new_rope_pos
+    // (int32 [n_q] or [3, n_q]; null: not rotated) with `rope` (write_new_row).
+    const void *new_k;
+    const void *new_v;
+    const int32_t *new_rope_pos;
+    Rope rope;
 };
 
 constexpr int32_t kMinSplitTokens = 128; // below this a split's fixed cost outweighs the parallelism
@@ -67,6 +74,36 @@ __device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, i
                                                      int32_t tile_rows, int32_t n_tiles, int32_t ahead) {
     if (!p.tiles_before_wait || p.positions || n_tokens - 1 <= begin) return 0;
     return min(min((n_tokens - 1 - begin) / tile_rows, n_tiles), ahead);
+}
+
+// The step's new K and V rows (AttentionParams::new_k) of sequence qi and KV head kv_head into its
+// last slot (n_tokens - 1, through its block table `table`), K rotated as write_last rotates it
+// (rope.cuh: the same bits), V as is. Every CTA whose split holds that slot writes the row before it
+// loads it (the head tiles of one KV head write the same bytes), so no other kernel has to run
+// between the projection and the attention. Call from every thread; the __syncthreads() after it
+// makes the row visible to the CTA's own loads.
+template <typename T>
+__device__ void write_new_row(const AttentionParams &p, const int32_t *table, int32_t qi, int32_t kv_head,
+                              int32_t n_tokens) {
+    const int32_t slot = n_tokens - 1;
+    T *k_out = static_cast<T *>(const_cast<void *>(p.pool)) + table[slot >> p.block_shift] * p.block_elems +
+               ((int64_t(kv_head) << p.block_shift) + (slot & ((1 << p.block_shift) - 1))) * p.head_dim;
+    T *v_out = k_out + p.v_delta;
+    const int64_t row = (int64_t(qi) * p.n_kv_heads + kv_head) * p.head_dim;
+    const T *k_in = static_cast<const T *>(p.new_k) + row, *v_in = static_cast<const T *>(p.new_v) + row;
+    const int32_t nf = p.new_rope_pos ? p.rope.n_freq : 0;
+    for (int32_t e = threadIdx.x; e < p.head_dim; e += blockDim.x) {
+        v_out[e] = v_in[e];
+        if (e < nf) { // the pair (e, e + nf)
+            float c, s;
+            rope_cos_sin(p.rope, p.new_rope_pos, p.n_q, qi, e, c, s);
+            const float low = to_float(k_in[e]), high = to_float(k_in[e + nf]);
+            k_out[e] = from_float<T>(rotated_low(low, high, c, s));
+            k_out[e + nf] = from_float<T>(rotated_high(low, high, c, s));
+        } else if (e >= 2 * nf) {
+            k_out[e] = k_in[e];
+        }
+    }
 }
 
 // Fills AttentionParams from a layer and the queries, checking the kernels' preconditions

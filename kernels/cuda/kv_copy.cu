@@ -6,7 +6,7 @@
 // When K is rotated, the block first stages its K rows in shared memory as float32, because a
 // rotate-half pair (i, i + n_freq) usually spans two chunks held by different threads. V is copied
 // bit for bit.
-#include "common.cuh"
+#include "rope.cuh"
 
 namespace conduit::kernels::cuda {
 namespace {
@@ -95,32 +95,23 @@ template <typename T, int kVec> struct alignas(sizeof(T) * kVec) Pack {
 // first + count - 1, into table[2 (t nf + f)] and table[2 (t nf + f) + 1] (t = token - first). A
 // CTA's rows are heads of a few consecutive tokens: computing each (token, frequency) pair once,
 // not once per head and element, took the precise cosf/sinf out of the copy's critical path (a
-// restore of 8 LLaVA images rotates 600M elements). Explicit _rn operations keep nvcc from fusing
-// them, so that float32 results match torch's separate multiplies and adds.
+// restore of 8 LLaVA images rotates 600M elements).
 __device__ void fill_rope_table(float *table, const Rope &rope, const int32_t *rope_pos, int32_t n, int32_t first,
                                 int32_t count) {
     const int32_t nf = rope.n_freq;
     const int32_t threads = int32_t(blockDim.x * blockDim.y), tid = int32_t(threadIdx.y * blockDim.x + threadIdx.x);
-    for (int32_t i = tid; i < count * nf; i += threads) {
-        const int32_t token = first + i / nf, freq = i % nf;
-        int32_t pos_row = 0;
-        if (rope.type == 2)
-            pos_row = freq < rope.sections[0] ? 0 : (freq < rope.sections[0] + rope.sections[1] ? 1 : 2);
-        const float angle = __fmul_rn(float(rope_pos[int64_t(pos_row) * n + token]), rope.inv_freq[freq]);
-        table[2 * i] = __fmul_rn(cosf(angle), rope.scaling);
-        table[2 * i + 1] = __fmul_rn(sinf(angle), rope.scaling);
-    }
+    for (int32_t i = tid; i < count * nf; i += threads)
+        rope_cos_sin(rope, rope_pos, n, first + i / nf, i % nf, table[2 * i], table[2 * i + 1]);
 }
 
-// Rotated value of element e of a head whose float32 copy is `row` (transformers' rotate-half RoPE:
-// out[i] = x[i] c - x[i+n] s, out[i+n] = x[i+n] c + x[i] s), with the token's cos/sin pairs `cs`
-// (fill_rope_table).
+// Rotated value of element e of a head whose float32 copy is `row` (rope.cuh), with the token's
+// cos/sin pairs `cs` (fill_rope_table).
 __device__ float rotated(const float *row, int32_t e, int32_t nf, const float *cs) {
     if (e >= 2 * nf) return row[e];
     const int32_t freq = e < nf ? e : e - nf;
     const float c = cs[2 * freq], s = cs[2 * freq + 1];
-    if (e < nf) return __fsub_rn(__fmul_rn(row[e], c), __fmul_rn(row[e + nf], s));
-    return __fadd_rn(__fmul_rn(row[e], c), __fmul_rn(row[e - nf], s));
+    if (e < nf) return rotated_low(row[e], row[e + nf], c, s);
+    return rotated_high(row[e - nf], row[e], c, s);
 }
 
 // blockDim = (threads per row, rows per block); blockIdx.y: the layer of a batched copy (src and dst

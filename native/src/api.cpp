@@ -390,6 +390,15 @@ conduit_status conduit_step_attention(conduit_step *step, int32_t layer, const v
     });
 }
 
+conduit_status conduit_step_write_kv_attention(conduit_step *step, int32_t layer, const void *k, const void *v,
+                                               const int32_t *rope_pos, const void *q, float scale, void *out,
+                                               float *lse, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(step);
+        step_write_kv_attention(step, layer, k, v, rope_pos, q, scale, out, lse, stream);
+    });
+}
+
 int32_t conduit_image_n_tokens(const conduit_image *image) { return image ? image->entry->n_tokens : -1; }
 
 conduit_status conduit_image_read(const conduit_image *image, int32_t layer, void *k_out, void *v_out, void *stream) {

@@ -171,6 +171,13 @@ void Device::batch_attention(const kc::BatchView &kv, int32_t n_heads, const voi
     CONDUIT_DISPATCH(batch_attention(kv, n_heads, q, scale, out, lse, workspace, workspace_bytes, stream));
 }
 
+void Device::batch_write_attention(const kc::BatchView &kv, const void *k, const void *v, const kc::Rope &rope,
+                                   const int32_t *rope_pos, int32_t n_heads, const void *q, float scale, void *out,
+                                   float *lse, void *workspace, size_t workspace_bytes, void *stream) const {
+    CONDUIT_DISPATCH(batch_write_attention(kv, k, v, rope, rope_pos, n_heads, q, scale, out, lse, workspace,
+                                           workspace_bytes, stream));
+}
+
 size_t Device::batch_attention_workspace_bytes(const kc::BatchView &kv, int32_t n_heads) const {
 #ifdef CONDUIT_WITH_CUDA
     if (is_cuda()) {

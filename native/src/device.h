@@ -55,6 +55,9 @@ class Device {
     void batch_attention(const kernels::BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,
                          float *lse, void *workspace, size_t workspace_bytes, void *stream) const;
     size_t batch_attention_workspace_bytes(const kernels::BatchView &kv, int32_t n_heads) const;
+    void batch_write_attention(const kernels::BatchView &kv, const void *k, const void *v, const kernels::Rope &rope,
+                               const int32_t *rope_pos, int32_t n_heads, const void *q, float scale, void *out,
+                               float *lse, void *workspace, size_t workspace_bytes, void *stream) const;
     void scatter_ints(int32_t *dst, const int32_t *pairs, int32_t n_pairs, void *stream) const;
     size_t topk_workspace_bytes(int32_t n) const;
     void topk(const float *scores, int32_t n, int32_t k, void *indices, bool indices_i64, void *workspace,

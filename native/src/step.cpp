@@ -159,4 +159,15 @@ void step_attention(conduit_step *step, int32_t layer, const void *q, float scal
                                   step->workspace_bytes, stream);
 }
 
+void step_write_kv_attention(conduit_step *step, int32_t layer, const void *k, const void *v, const int32_t *rope_pos,
+                             const void *q, float scale, void *out, float *lse, void *stream) {
+    conduit_arena *arena = step->arena;
+    require_prepared(step, layer);
+    CONDUIT_REQUIRE(k && v, "k and v must not be NULL");
+    CONDUIT_REQUIRE(q && out, "q and out must not be NULL");
+    arena->device.batch_write_attention(step->layer_view(layer), k, v, arena->rope_for(rope_pos), rope_pos,
+                                        step->n_heads, q, scale, out, lse, step->workspace, step->workspace_bytes,
+                                        stream);
+}
+
 } // namespace conduit

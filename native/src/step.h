@@ -34,5 +34,7 @@ void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, 
 void step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v, const int32_t *rope_pos,
                    void *stream);
 void step_attention(conduit_step *step, int32_t layer, const void *q, float scale, void *out, float *lse, void *stream);
+void step_write_kv_attention(conduit_step *step, int32_t layer, const void *k, const void *v, const int32_t *rope_pos,
+                             const void *q, float scale, void *out, float *lse, void *stream);
 
 } // namespace conduit

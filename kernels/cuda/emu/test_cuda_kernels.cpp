@@ -540,6 +540,33 @@ void check_batch_attention(const kc::BatchView &cpu_view, const kc::BatchView &g
     for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
 }
 
+// batch_write_attention from the pool before write_last (`unwritten`) against write_last then
+// batch_attention on the CUDA side (`written`, the pool after write_last): the same pool bits, the
+// same output and lse bits.
+void check_write_attention(const kc::BatchView &written, const Buf<unsigned char> &unwritten, const Buf<unsigned char> &k,
+                           const Buf<unsigned char> &v, const kc::Rope &rope, const int32_t *rope_pos, int n_heads,
+                           const char *name) {
+    const kc::DType dtype = written.dtype;
+    const size_t out_bytes = size_t(written.n_seqs) * n_heads * written.head_dim * kc::dtype_size(dtype);
+    Buf<unsigned char> fused_pool = unwritten, q = random_dense(dtype, int64_t(written.n_seqs) * n_heads * written.head_dim, 2.0f);
+    kc::BatchView fused = written;
+    fused.pool = fused_pool.data();
+    const size_t ws_bytes = kc::cuda::batch_attention_workspace_bytes(written, n_heads) + 16;
+    Buf<unsigned char> ws_two(ws_bytes), ws_one(ws_bytes), out_two(out_bytes), out_one(out_bytes);
+    Buf<float> lse_two(size_t(written.n_seqs) * n_heads), lse_one(lse_two.size());
+    const float scale = 1.0f / std::sqrt(float(written.head_dim));
+    kc::cuda::batch_attention(written, n_heads, q.data(), scale, out_two.data(), lse_two.data(), ws_two.data(),
+                              ws_bytes, nullptr);
+    kc::cuda::batch_write_attention(fused, k.data(), v.data(), rope, rope_pos, n_heads, q.data(), scale, out_one.data(),
+                                    lse_one.data(), ws_one.data(), ws_bytes, nullptr);
+    device_sync();
+    const size_t pool_bytes = unwritten.size();
+    const bool same = std::memcmp(fused_pool.data(), written.pool, pool_bytes) == 0 &&
+                      std::memcmp(out_one.data(), out_two.data(), out_bytes) == 0 &&
+                      std::memcmp(lse_one.data(), lse_two.data(), lse_one.size() * sizeof(float)) == 0;
+    expect(same, std::string(name) + " batch_write_attention: other bits than write_last + batch_attention");
+}
+
 // A decode step over a batch of sequences (make_batch): write_last (with and without RoPE) then
 // batch_attention, CUDA against the CPU. The split plan depends on the capacity only, so a capacity
 // far above the lengths checks the empty splits too. empty_seqs: after write_last, the odd-numbered
@@ -566,10 +593,12 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     char name[200];
     std::snprintf(name, sizeof name, "step %s hk=%d group=%d d=%d bs=%d n_seqs=%d max_tokens=%d rope=%d empty=%d",
                   dtype_name(dtype), hk, group, d, bs, n_seqs, max_tokens, rope_type, int(empty_seqs));
+    const Buf<unsigned char> unwritten = cpu_pool;
     kc::cpu::write_last(cpu_view, k.data(), v.data(), rope, rp, nullptr);
     kc::cuda::write_last(gpu_view, k.data(), v.data(), rope, rp, nullptr);
     device_sync();
     expect(same_values(cpu_pool, gpu_pool, cpu_pool.size(), dtype), std::string(name) + " write_last");
+    check_write_attention(gpu_view, unwritten, k, v, rope, rp, n_heads, name);
 
     gpu_pool = cpu_pool; // attention over the same bits on both sides
     for (int i = 1; empty_seqs && i < n_seqs; i += 2) lengths[size_t(i)] = 0;
