@@ -65,7 +65,8 @@ __host__ __device__ inline int32_t split_tokens_for(int32_t n_tokens, int32_t n_
 
 // Tiles of a CTA's split [begin, ...) that it may load before wait_for_prior_grids(), at most
 // `ahead` (its pipeline depth) and n_tiles: with p.tiles_before_wait, those wholly below the last slot
-// (n_tokens - 1), which the kernel just before wrote (the step's K/V write). Everything else they read
+// (n_tokens - 1), which the step writes just before (the K/V write kernel, or the attention kernel
+// itself after its wait: write_new_row). Everything else they read
 // (the lengths, the block tables, older K/V) was written before the step's first kernel: by
 // conduit_step_prepare and earlier steps. Loading them early overlaps the pipeline's cold start with
 // the kernels before it. Never with

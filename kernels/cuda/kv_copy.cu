@@ -124,8 +124,9 @@ __global__ void __launch_bounds__(kThreads)
     extern __shared__ float k_staged[];
     // A decode step's K/V write lets the attention after it be scheduled at once, while the projection
     // before this kernel drains: before its own wait, that kernel reads nothing the step's kernels
-    // write (attention_shape.cuh, tiles_before_wait). Measured on an H200: every kernel doing so
-    // (the norms' dependents, the GEMVs') made the step slower (docs/benchmarks/runs.md, seventh session).
+    // write (attention_shape.cuh, tiles_before_wait). Only here: letting every kernel of the step
+    // schedule its successor this early (the norms, the GEMVs) made the step slower on an H200
+    // (docs/benchmarks/runs.md, seventh session).
     if (all_dst.dependents_first()) allow_dependent_launch();
     wait_for_prior_grids(); // launched chained: the rows and positions may be the previous kernel's
     allow_dependent_launch();
