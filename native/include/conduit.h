@@ -415,15 +415,16 @@ CONDUIT_API conduit_status conduit_step_write_kv(conduit_step *step, int32_t lay
  * i: sequence i's query); each query sees every stored token of its own sequence, the new one
  * included. out: device [n_seqs, n_heads, head_dim], arena dtype; lse: device float32 [n_seqs,
  * n_heads] (natural log) or NULL. The kernel grid depends on the batch size and max_tokens only.
- * Enqueues one or two kernels (the split merge); capturable. Errors: INVALID_ARGUMENT (bad layer, not prepared, NULL q or
- * out). */
+ * Enqueues one or two kernels (the second merges the key splits); capturable. Errors:
+ * INVALID_ARGUMENT (bad layer, not prepared, NULL q or out). */
 CONDUIT_API conduit_status conduit_step_attention(conduit_step *step, int32_t layer, const void *q, float scale,
                                                   void *out, float *lse, void *stream);
 
 /* conduit_step_write_kv(step, layer, k, v, rope_pos) then conduit_step_attention(step, layer, q, scale,
  * out, lse), with the same arguments and the same results to the bit, in fewer kernels: on CUDA the
- * attention writes the new rows itself before it reads them, so the step's layer launches one kernel
- * less (LLaVA-7B: ~4 us of a ~130 us layer on an H200). Capturable. Errors: those of the two. */
+ * attention writes the new rows itself before it reads them, one kernel less per layer (a LLaVA-7B
+ * step on an H200: write and attention 0.84 -> 0.80 ms of ~4.2). Capturable. Errors: those of the
+ * two. */
 CONDUIT_API conduit_status conduit_step_write_kv_attention(conduit_step *step, int32_t layer, const void *k,
                                                            const void *v, const int32_t *rope_pos, const void *q,
                                                            float scale, void *out, float *lse, void *stream);
