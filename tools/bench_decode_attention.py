@@ -59,6 +59,10 @@ def main() -> None:
             for kind in ("GQA", "MHA")} if len(args.sweep) >= 2 else {}
     for kind, fit in fits.items():
         print(f"{kind}: time = {fit['fixed_us']:.1f} us + bytes / {fit['stream_gb_per_s']:.0f} GB/s")
+    if fits:  # the same clock around one tiny kernel: the floor a single launch reads on this timer
+        one = torch.ones(1, device=args.device)
+        fits["one_tiny_kernel_us"] = timer.device_time(lambda: one.add_(1)).median_s * 1e6
+        print(f"one tiny kernel: {fits['one_tiny_kernel_us']:.1f} us")
     with open(args.out, "w") as f:
         json.dump({"label": args.label, "rows": rows, "fits": fits}, f, indent=1, default=str)
 
