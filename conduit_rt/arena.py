@@ -393,7 +393,8 @@ class Sequence(_Child):
             self.arena.stream()), "attention")
         return (out, lse) if return_lse else out
 
-    def write_kv_attention(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots, rope_pos: torch.Tensor | None,
+    def write_kv_attention(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                           slots: Iterable[int] | torch.Tensor | None, rope_pos: torch.Tensor | None,
                            q: torch.Tensor, q_pos: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
         """``write_kv`` then ``attention``: a decoder layer's two arena calls (a ``DecodeStep`` makes
@@ -526,6 +527,7 @@ class DecodeStep(_Child):
         return qp, out, lse
 
     def _outputs(self, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+        """(out, lse or NULL) as the C calls take them."""
         return (self._ffi.cast("void *", out.data_ptr()),
                 self._ffi.cast("float *", lse.data_ptr()) if lse is not None else self._ffi.NULL)
 

@@ -312,12 +312,8 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
     p.lse = lse;
     p.new_k = new_k;
     p.new_v = new_v;
-    p.new_rope_pos = rope.type != 0 ? rope_pos : nullptr;
+    p.new_rope_pos = new_k ? checked_rope_pos(rope, rope_pos, p.head_dim) : nullptr;
     p.rope = rope;
-    if (p.new_rope_pos)
-        require(rope.inv_freq != nullptr && rope.n_freq >= 1 && 2 * rope.n_freq <= p.head_dim &&
-                    (rope.type == 1 || rope.type == 2),
-                "RoPE needs inv_freq, 1 <= n_freq <= head_dim / 2 and a known type");
     const BatchPlan plan = batch_plan(kv, n_heads);
     const bool tensor_cores = decode_mma_applies(kv.dtype, p.head_dim, p.group);
     p.n_splits = plan.n_splits;

@@ -133,13 +133,7 @@ __global__ void __launch_bounds__(kAttnThreads) split_kv_attention_kernel(const 
         load_tile<S, T>(p, table, kv_head, begin + t * S::kTileRows, end, smem + t * S::kStageChunks, pos_smem[t]);
         cp_async_commit();
     }
-    wait_for_prior_grids();
-    allow_dependent_launch();
-    const int32_t q_position = p.q_pos ? p.q_pos[qi] : INT32_MAX;
-    if (p.new_k && begin <= n_tokens - 1 && n_tokens - 1 < end) { // CTA-uniform
-        write_new_row<T>(p, table, qi, kv_head, n_tokens);
-        __syncthreads();
-    }
+    const int32_t q_position = finish_prologue<T>(p, table, qi, kv_head, n_tokens, begin, end);
 
     // q chunks of this lane, pre-scaled; heads past the group and padding chunks are zero.
     float q[kGroupTile][kF];

@@ -273,13 +273,7 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
                                       decode_smem + tile * S::kStageChunks, visible_smem[tile]);
         cp_async_commit();
     }
-    wait_for_prior_grids();
-    allow_dependent_launch();
-    const int32_t q_position = p.q_pos ? p.q_pos[qi] : INT32_MAX;
-    if (p.new_k && begin <= n_tokens - 1 && n_tokens - 1 < end) { // CTA-uniform
-        write_new_row<T>(p, table, qi, kv_head, n_tokens);
-        __syncthreads();
-    }
+    const int32_t q_position = finish_prologue<T>(p, table, qi, kv_head, n_tokens, begin, end);
 
     uint32_t q_frag[S::kDimSteps][4];
     load_group_q<kHeadDim>(p, qi, kv_head, q_frag);

@@ -107,6 +107,22 @@ __device__ void write_new_row(const AttentionParams &p, const int32_t *table, in
     }
 }
 
+// The end of a decode kernel's prologue, after the tiles it loaded early (tiles_before_wait): waits
+// for the kernels before (common.cuh), lets the next be scheduled, writes the step's new row when
+// this CTA's split [begin, end) holds it (write_new_row, then a barrier that publishes it to the
+// CTA's loads) and returns the query's position (INT32_MAX without positions). All threads call it.
+template <typename T>
+__device__ __forceinline__ int32_t finish_prologue(const AttentionParams &p, const int32_t *table, int32_t qi,
+                                                   int32_t kv_head, int32_t n_tokens, int32_t begin, int32_t end) {
+    wait_for_prior_grids();
+    allow_dependent_launch();
+    if (p.new_k && begin <= n_tokens - 1 && n_tokens - 1 < end) { // CTA-uniform
+        write_new_row<T>(p, table, qi, kv_head, n_tokens);
+        __syncthreads();
+    }
+    return p.q_pos ? p.q_pos[qi] : INT32_MAX;
+}
+
 // Fills AttentionParams from a layer and the queries, checking the kernels' preconditions
 // (attention.cu).
 AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,

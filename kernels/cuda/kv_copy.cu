@@ -219,12 +219,7 @@ void move_rows(Src src, Dst dst, int32_t n, const LayerView &layout, const Rope 
     require(n_layers <= 65535, "at most 65535 layers per batched copy");
     require(layout.head_dim >= 8 && layout.head_dim <= 256 && layout.head_dim % 8 == 0,
             "head_dim must be a multiple of 8 in [8, 256]");
-    if (rope.type == 0) rope_pos = nullptr;
-    if (rope_pos) {
-        require(rope.inv_freq != nullptr && rope.n_freq >= 1 && 2 * rope.n_freq <= layout.head_dim,
-                "RoPE needs inv_freq and 1 <= n_freq <= head_dim / 2");
-        require(rope.type == 1 || rope.type == 2, "unknown RoPE type");
-    }
+    rope_pos = checked_rope_pos(rope, rope_pos, layout.head_dim);
     if (all_aligned) {
         launch_rows<T, kChunk<T>>(src, dst, n, n_layers, layout.n_kv_heads, layout.head_dim, rope, rope_pos,
                                   as_stream(stream));

@@ -8,6 +8,16 @@
 
 namespace conduit::kernels::cuda {
 
+// The rope_pos that a K writer applies: null without RoPE (type 0), else rope_pos after checking
+// that `rope` can rotate heads of head_dim elements (throws std::invalid_argument, common.cuh).
+inline const int32_t *checked_rope_pos(const Rope &rope, const int32_t *rope_pos, int32_t head_dim) {
+    if (rope.type == 0 || !rope_pos) return nullptr;
+    require(rope.inv_freq != nullptr && rope.n_freq >= 1 && 2 * rope.n_freq <= head_dim,
+            "RoPE needs inv_freq and 1 <= n_freq <= head_dim / 2");
+    require(rope.type == 1 || rope.type == 2, "unknown RoPE type");
+    return rope_pos;
+}
+
 // cos and sin, times the scaling, of frequency `freq` at the RoPE position of `token` (rope_pos
 // int32 [n] for NEOX, [3, n] for MROPE: the frequency's section picks the row).
 __device__ __forceinline__ void rope_cos_sin(const Rope &rope, const int32_t *rope_pos, int32_t n, int32_t token,
