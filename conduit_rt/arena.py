@@ -48,8 +48,13 @@ class ArenaStats:
 def _int32_host(values: Iterable[int] | torch.Tensor, what: str):
     """A cffi int32 array (and its length) from ints or an integer tensor on any device.
 
-    Vectorised (numpy): a forward pass hands every layer its slot list, hundreds of ints each time.
+    Vectorised (numpy): a forward pass hands every layer its slot list, hundreds of ints each time;
+    an int32 numpy array goes through as it is (``ForwardBatch.slots`` is one).
     """
+    if isinstance(values, np.ndarray) and values.dtype == np.int32 and values.ndim == 1:
+        # already what the library reads (a pass converts its slot list once, for every layer)
+        narrow = np.ascontiguousarray(values)
+        return (native.ffi().from_buffer("int32_t[]", narrow), int(narrow.size)) if narrow.size else (native.ffi().NULL, 0)
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dim() != 1:
             raise InvalidArgumentError(f"{what} must be a 1-D integer tensor, got {values.dtype} {list(values.shape)}")

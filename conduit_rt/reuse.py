@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .chat import ImageSlot
@@ -54,37 +55,32 @@ class PassCapture:
     """LayerCapture of a request's passes: q of the observed positions per layer (the latest pass
     that computed a position wins), and pre-RoPE K and V of the image tokens to store.
 
-    Per layer, each pass's observed q rows stay one tensor ([n_observed, n_heads, head_dim]), with a
-    position -> (tensor, row) map: no per-row tensors, and no host sync (the row index is uploaded
-    once per chunk without blocking).
+    Per layer, each pass's observed q rows stay one tensor ([n_observed, n_heads, head_dim]) beside
+    the pass's position -> row map, which is built once per chunk and shared by its layers: a layer
+    costs one gather (a copy when the rows are consecutive, as a text pass's trailing question is),
+    no per-position work and no host sync (the row index is uploaded once per chunk, without
+    blocking).
     """
 
     def __init__(self, observe: set[int], store: dict[bytes, tuple[int, int]]) -> None:
         self.observe, self.store = observe, store
-        self.q: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}  # layer -> position -> (q rows, row)
+        self.q: dict[int, list[tuple[dict[int, int], torch.Tensor]]] = {}  # layer -> [(position -> row, q rows)]
         self._kv: dict[bytes, dict[int, tuple[list, list]]] = {key: {} for key in store}
         self._positions: list[int] = []
-        self._observed: list[int] = []  # positions of the chunk's observed rows, in row order
-        self._observed_rows: torch.Tensor | None = None
+        self._observed: dict[int, int] = {}  # position -> row among the chunk's observed rows
+        self._rows: list[int] = []           # the chunk's observed rows, in order
         self._rows_on: dict[torch.device, torch.Tensor] = {}
 
     def begin_chunk(self, positions: list[int]) -> None:
         """The next forward computes these prompt positions, one per row."""
         self._positions = positions
-        rows = [i for i, p in enumerate(positions) if p in self.observe]
-        self._observed = [positions[i] for i in rows]
-        self._observed_rows = torch.tensor(rows, dtype=torch.long)
+        self._rows = [i for i, p in enumerate(positions) if p in self.observe]
+        self._observed = {positions[i]: j for j, i in enumerate(self._rows)}
         self._rows_on = {}
 
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        if self._observed:
-            rows = self._rows_on.get(q.device)
-            if rows is None:
-                rows = self._rows_on[q.device] = self._observed_rows.to(q.device, non_blocking=True)
-            kept = q[rows]
-            per_layer = self.q.setdefault(layer, {})
-            for row, position in enumerate(self._observed):
-                per_layer[position] = (kept, row)
+        if self._rows:
+            self.q.setdefault(layer, []).append((self._observed, self._observed_q(q)))
         lo, hi = self._positions[0], self._positions[-1] + 1
         for key, (a, b) in self.store.items():
             rows = [i for i, p in enumerate(self._positions) if a <= p < b] if a < hi and b > lo else []
@@ -94,20 +90,34 @@ class PassCapture:
                 ks.append(k_pre_rope[idx].clone())
                 vs.append(v[idx].clone())
 
+    def _observed_q(self, q: torch.Tensor) -> torch.Tensor:
+        """The chunk's observed rows of q, in a tensor of their own (q may be a buffer the next
+        layer overwrites)."""
+        first, count = self._rows[0], len(self._rows)
+        if self._rows[-1] - first + 1 == count:
+            return q[first: first + count].clone()
+        rows = self._rows_on.get(q.device)
+        if rows is None:
+            rows = self._rows_on[q.device] = torch.tensor(self._rows).to(q.device, non_blocking=True)
+        return q[rows]
+
     def queries(self, layer: int, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """q at ``layer`` of those ``positions`` that were computed: ([n, n_heads, head_dim], positions)."""
-        per_layer = self.q.get(layer, {})
-        found = [p for p in positions if p in per_layer]
+        passes = self.q.get(layer, [])
+        sources = {}  # position -> (pass, row), the latest pass that computed it
+        for index, (rows, _) in enumerate(passes):
+            sources.update((p, (index, row)) for p, row in rows.items())
+        found = [p for p in positions if p in sources]
         if not found:
             return torch.zeros(0), []
-        sources = [per_layer[p] for p in found]
-        first = sources[0][0]
-        rows = [row for _, row in sources]
-        if all(tensor is first for tensor, _ in sources):  # one pass computed them all: one gather
-            if rows == list(range(first.shape[0])):
-                return first.contiguous(), found
-            return first[torch.tensor(rows).to(first.device, non_blocking=True)].contiguous(), found
-        return torch.stack([tensor[row] for tensor, row in sources]).contiguous(), found
+        taken = [sources[p] for p in found]
+        first = taken[0][0]
+        if all(index == first for index, _ in taken):  # one pass computed them all: one gather
+            tensor, rows = passes[first][1], [row for _, row in taken]
+            if rows == list(range(tensor.shape[0])):
+                return tensor.contiguous(), found
+            return tensor[torch.tensor(rows).to(tensor.device, non_blocking=True)].contiguous(), found
+        return torch.stack([passes[index][1][row] for index, row in taken]).contiguous(), found
 
     def stored(self, key: bytes, n_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer pre-RoPE K and V [n_tokens, n_kv_heads, head_dim] of an image to store."""
@@ -200,11 +210,12 @@ class ReusePass:
 
     def _batch(self, positions: list[int]) -> ForwardBatch:
         device = self.model.device
-        index = torch.tensor(positions, dtype=torch.long)
+        slots = np.asarray(positions, dtype=np.int32)  # once: every layer's KV write reads it
+        index = torch.from_numpy(slots)
         # non_blocking: a blocking copy from the host waits for every kernel queued before it
-        return ForwardBatch(positions=index.to(torch.int32).to(device, non_blocking=True),
-                            rope_positions=self.rope[..., index].contiguous().to(device, non_blocking=True),
-                            slots=positions)
+        return ForwardBatch(positions=index.to(device, non_blocking=True),
+                            rope_positions=self.rope[..., index.long()].contiguous().to(device, non_blocking=True),
+                            slots=slots)
 
     def _visual_tokens(self) -> VisualTokens:
         slots, image = [], []
@@ -304,7 +315,8 @@ class _PassScores:
                 masses.append(mass)
                 counts.append(q.shape[0] * config.n_heads)
             per_row = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
-            self._attention = torch.stack([m[slots] for m in masses]) / per_row[:, None]
+            # one gather for every layer (the layers hold as many slots: the pass wrote them all)
+            self._attention = torch.stack(masses)[:, slots] / per_row[:, None]
             self.used = True
             self.flops = len(self.layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
                                                 for p in self.run.query_positions)

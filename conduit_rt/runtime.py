@@ -535,11 +535,19 @@ os.register_at_fork(after_in_child=_image_pool.cache_clear)
 
 def _identity(prompt: Prompt, keys: list[bytes]) -> list:
     """One hashable entry per prompt token: ("t", id) for text, ("i", image key, index) for image tokens."""
-    out: list = [("t", t) for t in prompt.token_ids]
-    for slot in prompt.image_slots:
-        for j in range(slot.n_tokens):
-            out[slot.start + j] = ("i", keys[slot.image_index], j)
-    return out
+    ids, out, cursor = prompt.token_ids, [], 0
+    for slot in sorted(prompt.image_slots, key=lambda s: s.start):
+        out += [("t", t) for t in ids[cursor: slot.start]]
+        out += _image_identity(keys[slot.image_index], slot.n_tokens)
+        cursor = slot.start + slot.n_tokens
+    return out + [("t", t) for t in ids[cursor:]]
+
+
+@functools.lru_cache(maxsize=256)
+def _image_identity(key: bytes, n_tokens: int) -> tuple:
+    """An image's identity entries, made once per image (a request of 8 images took ~1.4 ms to build
+    its 4.6K tuples)."""
+    return tuple(("i", key, j) for j in range(n_tokens))
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

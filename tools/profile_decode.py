@@ -9,9 +9,11 @@ bench``, a ``--context``-token prompt prefilled through the arena, then
 - whether the Triton kernels ran with programmatic dependent launch (``pdl``; ``CONDUIT_PDL=0``: off);
 - with ``--trace``, where the replayed step's time goes: kernels traced in 8 replays, each credited
   with the time it extends the step past every kernel before it (``replay_critical``; kernels
-  overlap under PDL, so their own durations do not add up), and the idle gaps before each.
+  overlap under PDL, so their own durations do not add up), and the idle gaps before each;
+- with ``--keep F``, the step of a VL-Cache-compressed sequence: after the prefill every layer keeps
+  an evenly spaced F of the prompt's slots (the last one included), as ``Sequence.compact`` leaves it.
 
-    python3 tools/profile_decode.py [--context 4096] [--steps 32] [--trace] [--out profile.json]
+    python3 tools/profile_decode.py [--context 4096] [--steps 32] [--trace] [--keep F] [--out profile.json]
 """
 from __future__ import annotations
 
@@ -34,18 +36,24 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--trace", action="store_true", help="credit the replayed step's time to its kernels")
+    parser.add_argument("--keep", type=float, default=None, help="compact every layer to this fraction first")
     parser.add_argument("--out", default="profile_decode.json")
     args = parser.parse_args()
     device = torch.device("cuda")
     text, vision = synthetic.llava_configs("llava-1.5-7b")
     model = random_llava(text, vision, device, torch.bfloat16, seed=0)
-    arena = model.new_arena(8 << 30)
-    seq = arena.new_sequence()
     n = args.context
+    kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2
+    arena = model.new_arena(max(8 << 30, kv_per_token * (n + args.steps + 256)))
+    seq = arena.new_sequence()
     seq.append(range(n))
     with torch.no_grad():
         ids = torch.randint(0, text.vocab_size, (n,), device=device)
         model.forward(seq, model.embed_tokens(ids), ForwardBatch.contiguous(0, n, device))
+    if args.keep is not None:
+        kept = torch.linspace(n - 1, 0, max(1, round(args.keep * n))).round().long().flip(0).unique()
+        for layer in range(text.num_hidden_layers):
+            seq.compact(layer, kept)
     torch.cuda.synchronize()
 
     rope_rows = (1,)
@@ -111,8 +119,8 @@ def main() -> None:
     copy = ceilings.copy_bandwidth(Timer(device), 2 << 30)["bytes_per_s"]
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if name.startswith("language_model") and "embed_tokens" not in name)
-    kv_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2 * position
-    result = {"context": n, "eager_kernels_per_step": launches, "top_kernels": top,
+    kv_bytes = seq.nbytes
+    result = {"context": n, "keep": args.keep, "eager_kernels_per_step": launches, "top_kernels": top,
               "graph_replay_device_s": replay_s, "graph_step_wall_s": wall,
               "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
               "copy_bytes_per_s": copy, "bound_s": (weight_bytes + kv_bytes) / copy,

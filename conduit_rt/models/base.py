@@ -33,13 +33,14 @@ class ForwardBatch:
 
     positions: int32 [n], model device: causal positions (a query at p sees stored keys at <= p).
     rope_positions: int32 [n] (rotate-half RoPE) or [3, n] (M-RoPE), model device.
-    slots: KV destination slot of each token, the same in every layer; None = the layers' last n
-        slots (the tokens were just appended with ``seq.append``).
+    slots: KV destination slot of each token, the same in every layer (ints, or an int32 numpy array:
+        what the arena reads, converted once for every layer); None = the layers' last n slots (the
+        tokens were just appended with ``seq.append``).
     """
 
     positions: torch.Tensor
     rope_positions: torch.Tensor
-    slots: list[int] | None = None
+    slots: list[int] | np.ndarray | None = None
 
     @classmethod
     def contiguous(cls, start: int, end: int, device: torch.device | str) -> ForwardBatch:

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <numeric>
-#include <set>
 
 #include "error.h"
 
@@ -20,15 +19,42 @@ LayerTable &layer_of(conduit_seq *seq, int32_t layer) {
     return *seq->layers[size_t(layer)];
 }
 
-// Block indices (into a layer's table) touched by writing the given slots (or the last n slots).
-std::set<int64_t> touched_blocks(const LayerTable &t, const int32_t *slots, int32_t n, int32_t block_size) {
-    std::set<int64_t> out;
-    const int32_t base = t.n_tokens() - n;
-    for (int32_t i = 0; i < n; ++i) out.insert((slots ? slots[i] : base + i) / block_size);
+using BlockIndices = std::vector<int64_t>; // indices into a layer's block table, sorted, distinct
+
+// Block indices [first, last].
+BlockIndices block_range(int64_t first, int64_t last) {
+    BlockIndices out(size_t(std::max<int64_t>(0, last - first + 1)));
+    std::iota(out.begin(), out.end(), first);
     return out;
 }
 
-int64_t count_shared(conduit_arena *arena, const LayerTable &t, const std::set<int64_t> &block_indices) {
+// Checks a write's slots (each in [0, n_tokens), none twice) and returns the blocks it touches (slots
+// NULL: the last n). A pass hands every layer the same few hundred or thousand slots, usually in
+// increasing order: that case is one linear scan; any other order is sorted first.
+BlockIndices touched_blocks(const LayerTable &t, const int32_t *slots, int32_t n, int32_t block_size) {
+    if (n == 0) return {};
+    if (!slots) return block_range((t.n_tokens() - n) / block_size, (t.n_tokens() - 1) / block_size);
+    bool increasing = true;
+    for (int32_t i = 1; i < n && increasing; ++i) increasing = slots[i] > slots[i - 1];
+    std::vector<int32_t> sorted;
+    const int32_t *ordered = slots;
+    if (!increasing) {
+        sorted.assign(slots, slots + n);
+        std::sort(sorted.begin(), sorted.end());
+        ordered = sorted.data();
+    }
+    CONDUIT_REQUIRE(ordered[0] >= 0 && ordered[n - 1] < t.n_tokens(), "slot %d out of range [0, %d)",
+                    ordered[0] < 0 ? ordered[0] : ordered[n - 1], t.n_tokens());
+    BlockIndices out;
+    for (int32_t i = 0; i < n; ++i) {
+        CONDUIT_REQUIRE(i == 0 || ordered[i] != ordered[i - 1], "slot %d given twice", ordered[i]);
+        const int64_t block = ordered[i] / block_size;
+        if (out.empty() || out.back() != block) out.push_back(block);
+    }
+    return out;
+}
+
+int64_t count_shared(conduit_arena *arena, const LayerTable &t, const BlockIndices &block_indices) {
     int64_t n = 0;
     for (int64_t bi : block_indices) n += arena->pool.refcount(t.blocks.host()[size_t(bi)]) > 1;
     return n;
@@ -37,7 +63,7 @@ int64_t count_shared(conduit_arena *arena, const LayerTable &t, const std::set<i
 // Gives the layer its own copy of each shared block among `block_indices`, taking the new blocks from
 // `fresh` (enough of them were reserved by the caller). With copy=false the old content is not copied
 // (the caller overwrites the whole block).
-void make_exclusive(conduit_arena *arena, LayerTable &t, const std::set<int64_t> &block_indices,
+void make_exclusive(conduit_arena *arena, LayerTable &t, const BlockIndices &block_indices,
                     std::vector<int32_t> &fresh, bool copy, void *stream) {
     auto &blocks = t.blocks.host();
     for (int64_t bi : block_indices) {
@@ -53,17 +79,6 @@ void make_exclusive(conduit_arena *arena, LayerTable &t, const std::set<int64_t>
         arena->pool.release(old);
         blocks[size_t(bi)] = replacement;
         t.blocks.touched_from(size_t(bi));
-    }
-}
-
-void check_slots(const LayerTable &t, const int32_t *slots, int32_t n) {
-    if (!slots) return;
-    std::vector<int32_t> sorted(slots, slots + n);
-    std::sort(sorted.begin(), sorted.end());
-    for (int32_t i = 0; i < n; ++i) {
-        CONDUIT_REQUIRE(sorted[size_t(i)] >= 0 && sorted[size_t(i)] < t.n_tokens(), "slot %d out of range [0, %d)",
-                        sorted[size_t(i)], t.n_tokens());
-        CONDUIT_REQUIRE(i == 0 || sorted[size_t(i)] != sorted[size_t(i - 1)], "slot %d given twice", sorted[size_t(i)]);
     }
 }
 
@@ -89,8 +104,7 @@ int32_t prepare_write(conduit_seq *seq, int32_t first, int32_t count, int32_t n,
                         fewest->n_tokens());
         if (t.n_tokens() < fewest->n_tokens()) fewest = &t;
     }
-    check_slots(*fewest, slots, n);
-    const std::set<int64_t> touched = touched_blocks(*fewest, slots, n, arena->params.block_size); // same in every layer
+    const BlockIndices touched = touched_blocks(*fewest, slots, n, arena->params.block_size); // same in every layer
     int64_t n_shared = 0;
     for (int32_t j = 0; j < count; ++j) n_shared += count_shared(arena, *seq->layers[size_t(first + j)], touched);
     std::vector<int32_t> fresh = arena->take_blocks(n_shared); // the last step that can fail
@@ -124,9 +138,7 @@ void compact_layer(conduit_seq *seq, LayerTable &t, const int32_t *keep, int32_t
         stage.positions = nullptr;
         arena->device.copy_paged(src, kernels::Slots{lists[0], 0}, stage, kernels::Slots{}, m, kernels::Rope{},
                                  nullptr, stream);
-        std::set<int64_t> front;
-        for (int64_t bi = 0; bi < new_nb; ++bi) front.insert(bi);
-        make_exclusive(arena, t, front, fresh, false, stream);
+        make_exclusive(arena, t, block_range(0, new_nb - 1), fresh, false, stream);
         kernels::LayerView dst = arena->view(t, stream);
         arena->device.copy_paged(stage, kernels::Slots{}, dst, kernels::Slots{}, m, kernels::Rope{}, nullptr, stream);
         std::vector<int32_t> kept_positions(static_cast<size_t>(m));
@@ -146,9 +158,7 @@ int64_t compact_need(conduit_arena *arena, const LayerTable &t, const int32_t *k
     bool is_prefix = true;
     for (int32_t i = 0; i < m && is_prefix; ++i) is_prefix = keep[i] == i;
     if (is_prefix) return 0;
-    std::set<int64_t> front;
-    for (int64_t bi = 0; bi < blocks_for(m, arena->params.block_size); ++bi) front.insert(bi);
-    return count_shared(arena, t, front);
+    return count_shared(arena, t, block_range(0, blocks_for(m, arena->params.block_size) - 1));
 }
 
 } // namespace
