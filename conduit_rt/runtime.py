@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from . import native
 from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
@@ -265,19 +264,16 @@ class Runtime:
     def _decode_images(self, payloads: list) -> tuple[list[np.ndarray], list[bytes]]:
         """Each image's RGB pixels ([H, W, 3] uint8) and cache key, in order.
 
-        Decoding an encoded image (bytes, a file) releases the GIL, so several of them go through a
-        thread pool. Images given decoded (PIL images, arrays) go one after another: their pixel copy
-        holds the GIL, and with them the pool cost more than it saved (8 PIL images of 336 x 336:
-        4.4 ms in the pool on the H200 machine's host, 3.7 ms against 4.5 ms here one after another).
-        Each distinct payload object is decoded once, by one thread: a lazily opened PIL image shown
-        twice must not be loaded by two threads at once (they would share its file pointer)."""
+        Decoding and hashing release the GIL, so several images go through a thread pool (8 images of
+        336 x 336 took ~5 ms one after another, before any GPU work of the request could start). Each
+        distinct payload object is decoded once, by one thread: a lazily opened PIL image shown twice
+        must not be loaded by two threads at once (they would share its file pointer)."""
         def decoded(payload) -> tuple[np.ndarray, bytes]:
             rgb = to_rgb_array(payload)
             return rgb, image_key(rgb, self._image_params, self.assets.vision_model_id)
 
         distinct = list({id(payload): payload for payload in payloads}.values())
-        encoded = sum(not isinstance(p, (Image.Image, np.ndarray)) for p in distinct)
-        results = list(_image_pool().map(decoded, distinct)) if encoded > 1 else [decoded(p) for p in distinct]
+        results = list(_image_pool().map(decoded, distinct)) if len(distinct) > 1 else [decoded(p) for p in distinct]
         by_object = {id(payload): result for payload, result in zip(distinct, results)}
         return [by_object[id(p)][0] for p in payloads], [by_object[id(p)][1] for p in payloads]
 
