@@ -2,7 +2,8 @@
 """The arena's K/V copies against the copy bandwidth, on a GPU: the restore of a warm CONDUIT request
 (``Sequence.restore_images``: 8 cached LLaVA images, 576 tokens each, every layer in one launch, K
 rotated at new positions) and a prefill chunk's write (``Sequence.write_kv`` of 2048 tokens into
-scattered slots, K rotated), in LLaVA-1.5-7B's KV shape (32 layers, 32 KV heads, head dim 128, bf16).
+scattered slots, K rotated), in LLaVA-1.5-7B's KV shape (32 layers, 32 KV heads, head dim 128, bf16);
+each also without the rotation (what the RoPE part costs).
 
 Rates count bytes read + written, as the copy ceiling (``bench.ceilings.copy_bandwidth``) does. Each
 row is the median of CUDA-event times over repeats, an L2-flushing write before each.
@@ -56,9 +57,12 @@ def main() -> None:
     chunk_rope = torch.from_numpy(chunk_slots).to(device)
     write = timer.device_time(lambda: seq.write_kv(0, k, v, chunk_slots, rope_pos=chunk_rope),
                               repeat=args.repeats)
+    restore_plain = timer.device_time(lambda: seq.restore_images(entries, slots=slots), repeat=args.repeats)
+    write_plain = timer.device_time(lambda: seq.write_kv(0, k, v, chunk_slots), repeat=args.repeats)
     copy = ceilings.copy_bandwidth(timer, 2 << 30)["bytes_per_s"]
-    rows = {"restore_8_images_32_layers": (restore, 2 * LAYERS * n_images * row_bytes),
-            "write_kv_2048_scattered": (write, 2 * chunk * row_bytes)}
+    restored, written = 2 * LAYERS * n_images * row_bytes, 2 * chunk * row_bytes
+    rows = {"restore_8_images_32_layers": (restore, restored), "restore_without_rope": (restore_plain, restored),
+            "write_kv_2048_scattered": (write, written), "write_kv_without_rope": (write_plain, written)}
     result = {"copy_bytes_per_s": copy, "rows": {}}
     for name, (timing, moved) in rows.items():
         seconds = timing.median_s

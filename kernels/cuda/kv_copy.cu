@@ -114,10 +114,43 @@ __device__ float rotated(const float *row, int32_t e, int32_t nf, const float *c
     return rotated_high(row[e - nf], row[e], c, s);
 }
 
+// A K chunk of kVec elements rotated in registers (rope_in_registers): the thread holding chunk p of a
+// row trades its chunk with the thread holding the rotate-half partner chunk (p +- n_freq / kVec, a
+// lane of the same warp) and reads its frequencies' cos/sin from the token's table `cs`. The same
+// arithmetic as `rotated`, so the same bits as the staged path; chunks past 2 n_freq pass through.
+// Every lane of the warp must call it (the shuffles).
+template <typename T, int kVec>
+__device__ void rotate_chunk(Pack<T, kVec> &chunk, int32_t p, int32_t nf, const float *cs) {
+    const int32_t pair_chunks = nf / kVec; // rotate_in_registers: nf is a multiple of kVec
+    const bool low = p < pair_chunks, high = !low && p < 2 * pair_chunks;
+    const int32_t lane = int32_t(threadIdx.y * blockDim.x + threadIdx.x) % 32;
+    const int32_t partner = low ? lane + pair_chunks : (high ? lane - pair_chunks : lane);
+    float mine[kVec], theirs[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+        mine[i] = to_float(chunk.x[i]);
+        theirs[i] = __shfl_sync(0xffffffffu, mine[i], partner);
+    }
+    if (!low && !high) return;
+    const int32_t first_freq = (low ? p : p - pair_chunks) * kVec;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+        const float2 cos_sin = reinterpret_cast<const float2 *>(cs)[first_freq + i]; // one 8-byte read
+        chunk.x[i] = from_float<T>(low ? rotated_low(mine[i], theirs[i], cos_sin.x, cos_sin.y)
+                                       : rotated_high(theirs[i], mine[i], cos_sin.x, cos_sin.y));
+    }
+}
+
 // blockDim = (threads per row, rows per block); blockIdx.y: the layer of a batched copy (src and dst
-// are moved to it with at_layer); dynamic shared memory: 2 * rows per block * head_dim floats when
-// rope_pos is set (the staged K rows, then the cos/sin table of the block's tokens), else none.
-template <typename T, int kVec, typename Src, typename Dst>
+// are moved to it with at_layer). With rope_pos, K is rotated one of two ways: kInRegisters (a row's
+// threads in one warp and rotate-half pairs falling on whole chunks, launch_rows decides) trades
+// chunks between lanes (rotate_chunk), shared memory holding only the cos/sin table of the block's
+// tokens (rows per block * head_dim floats); otherwise the block stages its K rows in shared memory
+// as float32 first (2 * rows per block * head_dim floats: the rows, then the table). Staging was the
+// only way before: it left the restore of 8 LLaVA images (2.4 GB read) at 0.40 of the copy
+// bandwidth on an H200, where the same copy without RoPE ran at 0.90, with the SM's shared-memory
+// pipe saturated (bank conflicts of the stride-kVec float accesses; tools/bench_kv_copy.py, ncu).
+template <typename T, int kVec, bool kInRegisters, typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
                      const int32_t *rope_pos) {
@@ -139,7 +172,22 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t head = live ? int32_t(row % n_kv_heads) : 0;
     const int32_t n_packs = head_dim / kVec;
 
-    if (rope_pos) {
+    if (kInRegisters && rope_pos) {
+        // rotate_in_registers guarantees one chunk a thread; every lane takes part in the shuffles
+        const int64_t first_row = int64_t(blockIdx.x) * blockDim.y;
+        const int64_t rows = int64_t(n) * n_kv_heads;
+        const int64_t last_row = (first_row + blockDim.y < rows ? first_row + blockDim.y : rows) - 1;
+        const int32_t first_token = int32_t(first_row / n_kv_heads);
+        fill_rope_table(k_staged, rope, rope_pos, n, first_token, int32_t(last_row / n_kv_heads) - first_token + 1);
+        const int32_t p = int32_t(threadIdx.x);
+        const bool mine = live && p < n_packs;
+        P chunk{};
+        if (mine) chunk = reinterpret_cast<const P *>(src.k_row(token, head))[p];
+        __syncthreads(); // the table
+        rotate_chunk<T, kVec>(chunk, p, rope.n_freq, k_staged + 2 * (token - first_token) * rope.n_freq);
+        T *k_out = live ? dst.k_row(token, head) : nullptr;
+        if (mine && k_out) reinterpret_cast<P *>(k_out)[p] = chunk;
+    } else if (rope_pos) {
         const int64_t first_row = int64_t(blockIdx.x) * blockDim.y;
         const int64_t rows = int64_t(n) * n_kv_heads;
         const int64_t last_row = (first_row + blockDim.y < rows ? first_row + blockDim.y : rows) - 1;
@@ -196,6 +244,12 @@ template <typename T> PagedRows<T> paged_rows(const LayerView &view, Slots slots
                         log2_exact(view.block_size), view.head_dim, table_stride};
 }
 
+// Whether K can be rotated in registers (rotate_chunk): one chunk a thread, a row's threads within one
+// warp, and every rotate-half pair (i, i + n_freq) on whole chunks.
+bool rotate_in_registers(const Rope &rope, int32_t vec, int32_t n_packs, int32_t per_row) {
+    return n_packs <= per_row && per_row <= 32 && rope.n_freq % vec == 0;
+}
+
 template <typename T, int kVec, typename Src, typename Dst>
 void launch_rows(Src src, Dst dst, int32_t n, int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
                  const Rope &rope, const int32_t *rope_pos, cudaStream_t stream) {
@@ -206,9 +260,15 @@ void launch_rows(Src src, Dst dst, int32_t n, int32_t n_layers, int32_t n_kv_hea
     const int64_t rows = int64_t(n) * n_kv_heads;
     const dim3 grid{unsigned((rows + rows_per_block - 1) / rows_per_block), unsigned(n_layers)};
     const dim3 block{unsigned(per_row), unsigned(rows_per_block)};
+    if (rope_pos && rotate_in_registers(rope, kVec, n_packs, per_row)) {
+        const size_t smem = size_t(rows_per_block) * head_dim * sizeof(float); // the table: <= one float an element
+        launch_chained(move_rows_kernel<T, kVec, true, Src, Dst>, grid, block, smem, stream, src, dst, n, n_kv_heads,
+                       head_dim, rope, rope_pos);
+        return;
+    }
     const size_t smem = rope_pos ? 2 * size_t(rows_per_block) * head_dim * sizeof(float) : 0;
-    launch_chained(move_rows_kernel<T, kVec, Src, Dst>, grid, block, smem, stream, src, dst, n, n_kv_heads, head_dim,
-                   rope, rope_pos);
+    launch_chained(move_rows_kernel<T, kVec, false, Src, Dst>, grid, block, smem, stream, src, dst, n, n_kv_heads,
+                   head_dim, rope, rope_pos);
 }
 
 // Checks the shared preconditions, then launches with 16-byte accesses when every pointer allows.

@@ -5,7 +5,7 @@
 //
 // Model: the blocks of a grid run one after another (in grid order, or shuffled: g_block_order_seed);
 // the threads of a block are fibers on one OS
-// thread (emu.cpp). __syncthreads and warp operations (__shfl_xor_sync, __any_sync, __all_sync,
+// thread (emu.cpp). __syncthreads and warp operations (__shfl_sync, __shfl_xor_sync, __any_sync, __all_sync,
 // __ballot_sync) are barriers, so a thread that skips one makes the emulator report a deadlock instead of hanging. `__shared__` becomes `static`
 // (one copy shared by the threads of the running block), dynamic shared memory is filled with
 // 0xff bytes (NaN as float) to expose reads of unwritten data, and cp.async copies are deferred
@@ -113,6 +113,16 @@ template <typename T> T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 
     std::memcpy(&raw, &value, sizeof(T));
     const int lane = emu::ctx().linear % 32;
     raw = emu::warp_exchange(raw, lane ^ lane_mask);
+    T out;
+    std::memcpy(&out, &raw, sizeof(T));
+    return out;
+}
+
+template <typename T> T __shfl_sync(unsigned, T value, int src_lane, int = 32) {
+    static_assert(sizeof(T) <= 8, "8-byte values at most");
+    uint64_t raw = 0;
+    std::memcpy(&raw, &value, sizeof(T));
+    raw = emu::warp_exchange(raw, src_lane & 31);
     T out;
     std::memcpy(&out, &raw, sizeof(T));
     return out;

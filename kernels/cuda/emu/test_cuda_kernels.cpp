@@ -359,9 +359,10 @@ template <typename A, typename B> bool same_values(const A &a, const B &b, size_
 }
 
 // A RoPE of the given type (0 none, 1 rotate-half, 2 M-RoPE with uneven sections) over a random number
-// of frequencies of head_dim d; inv_freq receives the frequencies the returned Rope points at.
-kc::Rope random_rope(int rope_type, int d, float scaling, Buf<float> &inv_freq) {
-    const int n_freq = rope_type ? randint(1, d / 2) : 0;
+// of frequencies of head_dim d (or n_freq of them); inv_freq receives the frequencies the returned
+// Rope points at.
+kc::Rope random_rope(int rope_type, int d, float scaling, Buf<float> &inv_freq, int n_freq = -1) {
+    n_freq = rope_type ? (n_freq > 0 ? n_freq : randint(1, d / 2)) : 0;
     inv_freq.clear();
     for (int i = 0; i < n_freq; ++i) inv_freq.push_back(std::pow(10000.0f, -float(i) / float(std::max(n_freq, 1))));
     kc::Rope rope;
@@ -378,7 +379,10 @@ kc::Rope random_rope(int rope_type, int d, float scaling, Buf<float> &inv_freq) 
 }
 
 // write_dense, copy_paged (with and without RoPE) and read_dense must match the CPU (same_values).
-void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, bool use_slots, bool unaligned) {
+// n_freq: the RoPE's frequencies (default: random; d / 2, full rotary, takes the CUDA kernels' path
+// that rotates K in registers whenever the chunks allow).
+void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, bool use_slots, bool unaligned,
+                 int n_freq = -1) {
     const size_t es = kc::dtype_size(dtype);
     Layer cpu_l = make_layer(dtype, hk, d, bs, n + 7, 100);
     Layer gpu_l = cpu_l;
@@ -393,7 +397,7 @@ void test_copies(kc::DType dtype, int hk, int d, int bs, int n, int rope_type, b
     for (auto &s : slots) s += 7;
     const kc::Slots dst_slots = use_slots ? kc::Slots{slots.data(), 0} : kc::Slots{nullptr, 7};
     Buf<float> inv_freq;
-    const kc::Rope rope = random_rope(rope_type, d, rope_type == 2 ? 1.0f : 0.9f, inv_freq);
+    const kc::Rope rope = random_rope(rope_type, d, rope_type == 2 ? 1.0f : 0.9f, inv_freq, n_freq);
     Buf<int32_t> rope_pos;
     for (int i = 0; i < 3 * n; ++i) rope_pos.push_back(randint(0, 5000));
     const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
@@ -820,6 +824,10 @@ int main(int argc, char **argv) {
         for (int d : dims) {
             test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), false);
             test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), randint(0, 2), randint(0, 1), true);
+            for (int rope_type : {1, 2}) // full and half rotary: K rotated in registers where the chunks allow
+                for (int n_freq : {d / 2, d / 4})
+                    test_copies(t, randint(1, 3), d, blocks[randint(0, 4)], randint(1, 40), rope_type, randint(0, 1),
+                                false, std::max(n_freq, 1));
         }
     std::printf("copies: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
