@@ -118,9 +118,10 @@ __device__ float rotated(const float *row, int32_t e, int32_t nf, const float *c
 // row trades its chunk with the thread holding the rotate-half partner chunk (p +- n_freq / kVec, a
 // lane of the same warp) and reads its frequencies' cos/sin from the token's table `cs`. The same
 // arithmetic as `rotated`, so the same bits as the staged path; chunks past 2 n_freq pass through.
-// Every lane of the warp must call it (the shuffles).
+// Every lane of the warp must call it (the shuffles); only an `active` one (a row and chunk that
+// exist: the others' `cs` points nowhere) reads the table and rotates.
 template <typename T, int kVec>
-__device__ void rotate_chunk(Pack<T, kVec> &chunk, int32_t p, int32_t nf, const float *cs) {
+__device__ void rotate_chunk(Pack<T, kVec> &chunk, bool active, int32_t p, int32_t nf, const float *cs) {
     const int32_t pair_chunks = nf / kVec; // rotate_in_registers: nf is a multiple of kVec
     const bool low = p < pair_chunks, high = !low && p < 2 * pair_chunks;
     const int32_t lane = int32_t(threadIdx.y * blockDim.x + threadIdx.x) % 32;
@@ -131,7 +132,7 @@ __device__ void rotate_chunk(Pack<T, kVec> &chunk, int32_t p, int32_t nf, const 
         mine[i] = to_float(chunk.x[i]);
         theirs[i] = __shfl_sync(0xffffffffu, mine[i], partner);
     }
-    if (!low && !high) return;
+    if (!active || (!low && !high)) return;
     const int32_t first_freq = (low ? p : p - pair_chunks) * kVec;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(kThreads)
         P chunk{};
         if (mine) chunk = reinterpret_cast<const P *>(src.k_row(token, head))[p];
         __syncthreads(); // the table
-        rotate_chunk<T, kVec>(chunk, p, rope.n_freq, k_staged + 2 * (token - first_token) * rope.n_freq);
+        rotate_chunk<T, kVec>(chunk, mine, p, rope.n_freq, k_staged + 2 * (token - first_token) * rope.n_freq);
         T *k_out = live ? dst.k_row(token, head) : nullptr;
         if (mine && k_out) reinterpret_cast<P *>(k_out)[p] = chunk;
     } else if (rope_pos) {
