@@ -5,7 +5,9 @@
 // arrived; if every unfinished fiber waits and none can open, the emulator reports a deadlock.
 #include "emu.h"
 
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -80,15 +82,44 @@ void fiber_main() {
 
 } // namespace
 
+// A launch's dynamic shared memory, starting right after an inaccessible page and followed by another:
+// a read or write before it (or past the page it ends in) faults, where a GPU would report an
+// out-of-bounds shared access under compute-sanitizer, instead of reading another object of this
+// process (an out-of-bounds table read in kv_copy.cu passed the emulator that way).
+class GuardedShared {
+  public:
+    explicit GuardedShared(size_t bytes) : page_(size_t(sysconf(_SC_PAGESIZE))) {
+        data_pages_ = (std::max<size_t>(bytes, 1) + page_ - 1) / page_;
+        void *base = mmap(nullptr, (data_pages_ + 2) * page_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (base == MAP_FAILED) {
+            std::perror("emu: mmap of dynamic shared memory");
+            std::abort();
+        }
+        base_ = static_cast<unsigned char *>(base);
+        if (mprotect(base_ + page_, data_pages_ * page_, PROT_READ | PROT_WRITE) != 0) {
+            std::perror("emu: mprotect of dynamic shared memory");
+            std::abort();
+        }
+    }
+    ~GuardedShared() { munmap(base_, (data_pages_ + 2) * page_); }
+    GuardedShared(const GuardedShared &) = delete;
+    GuardedShared &operator=(const GuardedShared &) = delete;
+    unsigned char *data() const { return base_ + page_; }
+
+  private:
+    size_t page_, data_pages_ = 0;
+    unsigned char *base_ = nullptr;
+};
+
 struct Block {
     Barrier barrier;
     std::vector<Warp> warps;
     std::vector<unsigned char> flags; // one per thread, for block_any
-    std::vector<unsigned char> dynamic;
+    unsigned char *dynamic = nullptr; // the launch's GuardedShared, refilled for each block
 };
 
 ThreadContext &ctx() { return g_current->thread; }
-void *dynamic_smem() { return g_current->thread.block->dynamic.data(); }
+void *dynamic_smem() { return g_current->thread.block->dynamic; }
 void sync_block() { arrive(g_current->thread.block->barrier, "__syncthreads"); }
 
 uint64_t warp_exchange(uint64_t mine, int src_lane) {
@@ -226,11 +257,13 @@ void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void
         std::mt19937 shuffle_rng(g_block_order_seed * 7919u + launches++);
         std::shuffle(order.begin(), order.end(), shuffle_rng);
     }
+    GuardedShared shared(smem);
     for (const dim3 &index : order) {
         const unsigned x = index.x, y = index.y, z = index.z;
         Block state;
         state.barrier.count = threads;
-        state.dynamic.assign(smem, 0xff);
+        std::memset(shared.data(), 0xff, smem);
+        state.dynamic = shared.data();
         state.flags.assign(size_t(threads), 0);
         state.warps.resize(size_t((threads + 31) / 32));
         for (size_t w = 0; w < state.warps.size(); ++w) state.warps[w].barrier.count = std::min(32, threads - 32 * int(w));

@@ -8,7 +8,8 @@
 // thread (emu.cpp). __syncthreads and warp operations (__shfl_sync, __shfl_xor_sync, __any_sync, __all_sync,
 // __ballot_sync) are barriers, so a thread that skips one makes the emulator report a deadlock instead of hanging. `__shared__` becomes `static`
 // (one copy shared by the threads of the running block), dynamic shared memory is filled with
-// 0xff bytes (NaN as float) to expose reads of unwritten data, and cp.async copies are deferred
+// 0xff bytes (NaN as float) to expose reads of unwritten data and lies between inaccessible pages
+// (an access before it faults), and cp.async copies are deferred
 // until the issuing thread waits for their group.
 #pragma once
 
