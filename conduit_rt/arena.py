@@ -49,12 +49,9 @@ def _int32_host(values: Iterable[int] | torch.Tensor, what: str):
     """A cffi int32 array (and its length) from ints or an integer tensor on any device.
 
     Vectorised (numpy): a forward pass hands every layer its slot list, hundreds of ints each time;
-    an int32 numpy array goes through as it is (``ForwardBatch.slots`` is one).
+    contiguous int32 values are not copied (``ForwardBatch.slots`` is such an array, converted once
+    for every layer).
     """
-    if isinstance(values, np.ndarray) and values.dtype == np.int32 and values.ndim == 1:
-        # already what the library reads (a pass converts its slot list once, for every layer)
-        narrow = np.ascontiguousarray(values)
-        return (native.ffi().from_buffer("int32_t[]", narrow), int(narrow.size)) if narrow.size else (native.ffi().NULL, 0)
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dim() != 1:
             raise InvalidArgumentError(f"{what} must be a 1-D integer tensor, got {values.dtype} {list(values.shape)}")
@@ -68,10 +65,9 @@ def _int32_host(values: Iterable[int] | torch.Tensor, what: str):
             raise InvalidArgumentError(f"{what} must be a flat list of ints")
     if array.size == 0:
         return native.ffi().NULL, 0
-    if int(array.min()) < -(2**31) or int(array.max()) >= 2**31:  # before any cast that could wrap
+    if array.dtype != np.int32 and (int(array.min()) < -(2**31) or int(array.max()) >= 2**31):  # before a cast
         raise InvalidArgumentError(f"{what} holds a value outside int32")
-    wide = array.astype(np.int64, copy=False)
-    narrow = np.ascontiguousarray(wide, dtype=np.int32)
+    narrow = np.ascontiguousarray(array, dtype=np.int32)  # the same array when it is int32 already
     return native.ffi().from_buffer("int32_t[]", narrow), int(narrow.size)  # the cdata keeps `narrow` alive
 
 

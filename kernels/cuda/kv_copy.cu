@@ -3,9 +3,9 @@
 // One kernel serves every operation (writes, restores, reads, the decode step's write_last): a "row"
 // is one (token, KV head) pair of head_dim elements; a thread block moves kRowsPerBlock rows with
 // one thread per 16-byte chunk of a row (element-wise when a dense pointer is not 16-byte aligned).
-// When K is rotated, the block first stages its K rows in shared memory as float32, because a
-// rotate-half pair (i, i + n_freq) usually spans two chunks held by different threads. V is copied
-// bit for bit.
+// K is rotated as it moves: a rotate-half pair (i, i + n_freq) spans two chunks held by different
+// threads, which trade them by warp shuffles where the pairs fall on whole chunks (rotate_chunk),
+// else through K rows staged in shared memory as float32. V is copied bit for bit.
 #include "rope.cuh"
 
 namespace conduit::kernels::cuda {
@@ -104,6 +104,18 @@ __device__ void fill_rope_table(float *table, const Rope &rope, const int32_t *r
         rope_cos_sin(rope, rope_pos, n, first + i / nf, i % nf, table[2 * i], table[2 * i + 1]);
 }
 
+// The cos/sin table of a block's tokens (fill_rope_table) at `table`: the block's rows are rows
+// blockIdx.x * blockDim.y and on, a token's heads consecutive. Returns the block's first token.
+__device__ int32_t fill_block_rope_table(float *table, const Rope &rope, const int32_t *rope_pos, int32_t n,
+                                         int32_t n_kv_heads) {
+    const int64_t first_row = int64_t(blockIdx.x) * blockDim.y;
+    const int64_t rows = int64_t(n) * n_kv_heads;
+    const int64_t last_row = (first_row + blockDim.y < rows ? first_row + blockDim.y : rows) - 1;
+    const int32_t first_token = int32_t(first_row / n_kv_heads);
+    fill_rope_table(table, rope, rope_pos, n, first_token, int32_t(last_row / n_kv_heads) - first_token + 1);
+    return first_token;
+}
+
 // Rotated value of element e of a head whose float32 copy is `row` (rope.cuh), with the token's
 // cos/sin pairs `cs` (fill_rope_table).
 __device__ float rotated(const float *row, int32_t e, int32_t nf, const float *cs) {
@@ -114,7 +126,7 @@ __device__ float rotated(const float *row, int32_t e, int32_t nf, const float *c
     return rotated_high(row[e - nf], row[e], c, s);
 }
 
-// A K chunk of kVec elements rotated in registers (rope_in_registers): the thread holding chunk p of a
+// A K chunk of kVec elements rotated in registers (rotate_in_registers): the thread holding chunk p of a
 // row trades its chunk with the thread holding the rotate-half partner chunk (p +- n_freq / kVec, a
 // lane of the same warp) and reads its frequencies' cos/sin from the token's table `cs`. The same
 // arithmetic as `rotated`, so the same bits as the staged path; chunks past 2 n_freq pass through.
@@ -149,8 +161,8 @@ __device__ void rotate_chunk(Pack<T, kVec> &chunk, bool active, int32_t p, int32
 // tokens (rows per block * head_dim floats); otherwise the block stages its K rows in shared memory
 // as float32 first (2 * rows per block * head_dim floats: the rows, then the table). Staging was the
 // only way before: it left the restore of 8 LLaVA images (2.4 GB read) at 0.40 of the copy
-// bandwidth on an H200, where the same copy without RoPE ran at 0.90, with the SM's shared-memory
-// pipe saturated (bank conflicts of the stride-kVec float accesses; tools/bench_kv_copy.py, ncu).
+// bandwidth on an H200, where the same copy without RoPE ran at 0.90, with the SM's L1/shared-memory
+// pipe saturated and DRAM at 27% (tools/bench_kv_copy.py, Nsight Compute).
 template <typename T, int kVec, bool kInRegisters, typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
@@ -173,47 +185,40 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t head = live ? int32_t(row % n_kv_heads) : 0;
     const int32_t n_packs = head_dim / kVec;
 
-    if (kInRegisters && rope_pos) {
-        // rotate_in_registers guarantees one chunk a thread; every lane takes part in the shuffles
-        const int64_t first_row = int64_t(blockIdx.x) * blockDim.y;
-        const int64_t rows = int64_t(n) * n_kv_heads;
-        const int64_t last_row = (first_row + blockDim.y < rows ? first_row + blockDim.y : rows) - 1;
-        const int32_t first_token = int32_t(first_row / n_kv_heads);
-        fill_rope_table(k_staged, rope, rope_pos, n, first_token, int32_t(last_row / n_kv_heads) - first_token + 1);
-        const int32_t p = int32_t(threadIdx.x);
-        const bool mine = live && p < n_packs;
-        P chunk{};
-        if (mine) chunk = reinterpret_cast<const P *>(src.k_row(token, head))[p];
-        __syncthreads(); // the table
-        rotate_chunk<T, kVec>(chunk, mine, p, rope.n_freq, k_staged + 2 * (token - first_token) * rope.n_freq);
+    if (rope_pos) {
+        // [tokens of the block][n_freq][cos, sin], after the staged K rows when K is staged
+        float *table = k_staged + (kInRegisters ? 0 : blockDim.y * head_dim);
+        const int32_t first_token = fill_block_rope_table(table, rope, rope_pos, n, n_kv_heads);
+        const float *cs = table + 2 * (live ? token - first_token : 0) * rope.n_freq; // this row's token's
         T *k_out = live ? dst.k_row(token, head) : nullptr;
-        if (mine && k_out) reinterpret_cast<P *>(k_out)[p] = chunk;
-    } else if (rope_pos) {
-        const int64_t first_row = int64_t(blockIdx.x) * blockDim.y;
-        const int64_t rows = int64_t(n) * n_kv_heads;
-        const int64_t last_row = (first_row + blockDim.y < rows ? first_row + blockDim.y : rows) - 1;
-        const int32_t first_token = int32_t(first_row / n_kv_heads);
-        float *table = k_staged + blockDim.y * head_dim; // [tokens of the block][n_freq][cos, sin]
-        fill_rope_table(table, rope, rope_pos, n, first_token, int32_t(last_row / n_kv_heads) - first_token + 1);
-        float *staged = k_staged + threadIdx.y * head_dim;
-        const T *k_in = live ? src.k_row(token, head) : nullptr;
-        if (live) {
-            for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) {
-                const P pack = reinterpret_cast<const P *>(k_in)[p];
+        if (kInRegisters) {
+            // rotate_in_registers guarantees one chunk a thread; every lane takes part in the shuffles
+            const int32_t p = int32_t(threadIdx.x);
+            const bool mine = live && p < n_packs;
+            P chunk{};
+            if (mine) chunk = reinterpret_cast<const P *>(src.k_row(token, head))[p];
+            __syncthreads(); // the table
+            rotate_chunk<T, kVec>(chunk, mine, p, rope.n_freq, cs);
+            if (mine && k_out) reinterpret_cast<P *>(k_out)[p] = chunk;
+        } else {
+            float *staged = k_staged + threadIdx.y * head_dim;
+            if (live) {
+                const T *k_in = src.k_row(token, head);
+                for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) {
+                    const P pack = reinterpret_cast<const P *>(k_in)[p];
 #pragma unroll
-                for (int i = 0; i < kVec; ++i) staged[p * kVec + i] = to_float(pack.x[i]);
+                    for (int i = 0; i < kVec; ++i) staged[p * kVec + i] = to_float(pack.x[i]);
+                }
             }
-        }
-        __syncthreads(); // every thread reaches this: `live` only guards the work
-        T *k_out = live ? dst.k_row(token, head) : nullptr;
-        if (live && k_out) {
-            for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) {
-                P pack;
+            __syncthreads(); // every thread reaches this: `live` only guards the work
+            if (live && k_out) {
+                for (int32_t p = threadIdx.x; p < n_packs; p += blockDim.x) {
+                    P pack;
 #pragma unroll
-                for (int i = 0; i < kVec; ++i)
-                    pack.x[i] = from_float<T>(rotated(staged, p * kVec + i, rope.n_freq,
-                                                      table + 2 * (token - first_token) * rope.n_freq));
-                reinterpret_cast<P *>(k_out)[p] = pack;
+                    for (int i = 0; i < kVec; ++i)
+                        pack.x[i] = from_float<T>(rotated(staged, p * kVec + i, rope.n_freq, cs));
+                    reinterpret_cast<P *>(k_out)[p] = pack;
+                }
             }
         }
     } else if (live) {
