@@ -411,20 +411,40 @@ class Sequence(_Child):
         queries and heads; n_below float32 [n_heads]: visible (query, key) pairs whose probability is
         under ``threshold`` x the row's max; lse float32 [n_q, n_heads]).
         """
-        if not isinstance(q, torch.Tensor) or q.dim() != 3:
-            raise InvalidArgumentError("q must be a [n_q, n_heads, head_dim] tensor")
-        n_q, n_heads = int(q.shape[0]), int(q.shape[1])
-        qp = self.arena.ptr(q, "q", [n_q, n_heads, self.arena.head_dim])
-        pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
+        n_q, n_heads = self._stats_shape(q)
         mass = torch.empty(self.n_tokens(layer), dtype=torch.float32, device=q.device)
         n_below = torch.empty(n_heads, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device)
-        f = self._ffi
-        native.check(self._lib.conduit_seq_attention_stats(
-            self.handle, layer, n_q, n_heads, qp, f.cast("int32_t *", pp), float(scale), float(threshold),
-            f.cast("float *", mass.data_ptr()), f.cast("float *", n_below.data_ptr()), f.cast("float *", lse.data_ptr()),
-            self.arena.stream()), "attention statistics")
+        self._stats(layer, q, q_pos, scale, threshold, mass, n_below, lse)
         return mass, n_below, lse
+
+    def attention_mass(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Only the mass of ``attention_stats`` (float32 [n_tokens]), into ``out`` if given (a
+        contiguous float32 [n_tokens] tensor on the arena's device, e.g. a row of a per-layer table:
+        CONDUIT's scoring loop makes no allocation per layer)."""
+        n_tokens = self.n_tokens(layer)
+        if out is None:
+            out = torch.empty(n_tokens, dtype=torch.float32, device=self.arena.device)
+        self.arena.ptr(out, "out", [n_tokens], torch.float32)
+        self._stats(layer, q, q_pos, scale, 0.0, out, None, None)
+        return out
+
+    def _stats_shape(self, q: torch.Tensor) -> tuple[int, int]:
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise InvalidArgumentError("q must be a [n_q, n_heads, head_dim] tensor")
+        return int(q.shape[0]), int(q.shape[1])
+
+    def _stats(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float, threshold: float,
+               mass: torch.Tensor, n_below: torch.Tensor | None, lse: torch.Tensor | None) -> None:
+        n_q, n_heads = self._stats_shape(q)
+        qp = self.arena.ptr(q, "q", [n_q, n_heads, self.arena.head_dim])
+        pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
+        f = self._ffi
+        floats = [f.cast("float *", t.data_ptr()) if t is not None else f.NULL for t in (mass, n_below, lse)]
+        native.check(self._lib.conduit_seq_attention_stats(
+            self.handle, layer, n_q, n_heads, qp, f.cast("int32_t *", pp), float(scale), float(threshold), *floats,
+            self.arena.stream()), "attention statistics")
 
     def read_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V in slot order: [n_tokens, n_kv_heads, head_dim] each (K as stored)."""

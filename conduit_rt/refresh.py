@@ -53,6 +53,8 @@ class RefreshOptions:
             raise RequestError(f"query_tokens must be >= 1, got {self.query_tokens}")
         if not math.isfinite(self.lam) or self.lam < 0:
             raise RequestError(f"lam must be a finite number >= 0, got {self.lam}")
+        if self.layers is not None and not self.layers:
+            raise RequestError("layers must name at least one layer (None = all)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,15 +122,20 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def amplify(scores: torch.Tensor, image: torch.Tensor, n_images: int, lam: float) -> torch.Tensor:
     """Image-level relevance amplification: s'(t) = c_j(t) * s(t), c_j = 1 + λ (m_j / mean m - 1),
-    m_j = mean over image j's tokens of max(s, 0). One image: c = 1."""
+    m_j = mean over image j's tokens of max(s, 0). One image: c = 1.
+
+    scores: float [N] on any device; image: int64 [N] on the CPU (which image each token is of). No
+    host sync: the image sizes are counted on the host, and a zero mean m (c = 1) is chosen on the
+    device, so the launches of the selection that follows queue behind the scoring.
+    """
     if n_images <= 1 or lam == 0:
         return scores
-    positive = scores.clamp(min=0)
-    sums = torch.zeros(n_images, dtype=scores.dtype, device=scores.device).index_add_(0, image, positive)
-    counts = torch.bincount(image, minlength=n_images).to(scores.dtype)
+    counts = torch.bincount(image, minlength=n_images).to(scores.device, scores.dtype, non_blocking=True)
+    image = image.to(scores.device, non_blocking=True)
+    sums = torch.zeros(n_images, dtype=scores.dtype, device=scores.device).index_add_(0, image, scores.clamp(min=0))
     m = sums / counts
     mean_m = m.mean()
-    c = 1 + lam * (m / mean_m - 1) if mean_m > 0 else torch.ones_like(m)
+    c = torch.where(mean_m > 0, 1 + lam * (m / mean_m - 1), torch.ones_like(m))
     return c[image] * scores
 
 
@@ -191,7 +198,7 @@ class Conduit(RefreshPolicy):
 
     def select(self, tokens, budget, scores, options):
         per_token = (scores.attention() * scores.value_norms()).mean(0)  # s(t) = mean_l a_l(t) ||V_l(t)||
-        amplified = amplify(per_token, tokens.image.to(per_token.device), tokens.n_images, options.lam)
+        amplified = amplify(per_token, tokens.image, tokens.n_images, options.lam)
         return top_k_indices(amplified, budget).cpu()
 
 

@@ -70,6 +70,7 @@ class PassCapture:
         self._observed: dict[int, int] = {}  # position -> row among the chunk's observed rows
         self._rows: list[int] = []           # the chunk's observed rows, in order
         self._rows_on: dict[torch.device, torch.Tensor] = {}
+        self._plans: dict[tuple, tuple[list[int], object]] = {}  # see _query_plan
 
     def begin_chunk(self, positions: list[int]) -> None:
         """The next forward computes these prompt positions, one per row."""
@@ -104,26 +105,55 @@ class PassCapture:
     def queries(self, layer: int, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """q at ``layer`` of those ``positions`` that were computed: ([n, n_heads, head_dim], positions)."""
         passes = self.q.get(layer, [])
-        sources = {}  # position -> (pass, row), the latest pass that computed it
-        for index, (rows, _) in enumerate(passes):
-            sources.update((p, (index, row)) for p, row in rows.items())
-        found = [p for p in positions if p in sources]
+        found, gather = self._query_plan(tuple(rows for rows, _ in passes), positions)
         if not found:
             return torch.zeros(0), []
+        if isinstance(gather, int):  # one pass computed them all, as its rows in order
+            return passes[gather][1].contiguous(), found
+        if isinstance(gather, _PassRows):  # one pass, some of its rows: one gather
+            tensor = passes[gather.index][1]
+            return tensor[gather.on(tensor.device)].contiguous(), found
+        return torch.stack([passes[index][1][row] for index, row in gather]).contiguous(), found
+
+    def _query_plan(self, maps: tuple[dict[int, int], ...], positions: list[int]) -> tuple[list[int], object]:
+        """Which of ``positions`` the passes computed and where their q rows lie, worked out once per
+        distinct list of position -> row maps (every layer of a pass shares its chunk's map, so the
+        32 layers of a scoring loop share one plan). The plan: a pass index (all its rows, in order),
+        ``_PassRows`` (some rows of one pass) or [(pass index, row), ...] across passes."""
+        key = (tuple(id(m) for m in maps), tuple(positions))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        sources = {}  # position -> (pass, row), the latest pass that computed it
+        for index, rows in enumerate(maps):
+            sources.update((p, (index, row)) for p, row in rows.items())
+        found = [p for p in positions if p in sources]
         taken = [sources[p] for p in found]
-        first = taken[0][0]
-        if all(index == first for index, _ in taken):  # one pass computed them all: one gather
-            tensor, rows = passes[first][1], [row for _, row in taken]
-            if rows == list(range(tensor.shape[0])):
-                return tensor.contiguous(), found
-            return tensor[torch.tensor(rows).to(tensor.device, non_blocking=True)].contiguous(), found
-        return torch.stack([passes[index][1][row] for index, row in taken]).contiguous(), found
+        gather: object = taken
+        if taken and all(index == taken[0][0] for index, _ in taken):
+            index, rows = taken[0][0], [row for _, row in taken]
+            gather = index if rows == list(range(len(maps[index]))) else _PassRows(index, rows)
+        plan = self._plans[key] = (found, gather)
+        return plan
 
     def stored(self, key: bytes, n_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer pre-RoPE K and V [n_tokens, n_kv_heads, head_dim] of an image to store."""
         ks = [torch.cat(self._kv[key][layer][0]) for layer in range(n_layers)]
         vs = [torch.cat(self._kv[key][layer][1]) for layer in range(n_layers)]
         return ks, vs
+
+
+class _PassRows:
+    """Rows of one pass's observed q, with their index uploaded once per device."""
+
+    def __init__(self, index: int, rows: list[int]) -> None:
+        self.index, self.rows = index, rows
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._on:  # non_blocking: a blocking upload waits for every queued kernel
+            self._on[device] = torch.tensor(self.rows).to(device, non_blocking=True)
+        return self._on[device]
 
 
 @dataclass(slots=True)
@@ -172,13 +202,16 @@ class ReusePass:
         self.stats.refreshed_tokens = int(selected.numel())
         if selected.numel() == 0:
             return self.model.logits(hidden[-1:])[0], capture
-        first = int(tokens.slots[selected].min())
-        rows = sorted(set(tokens.slots[selected].tolist()) | {p for p in text_positions if p > first})
-        self.stats.recomputed_token_layers = len(rows) * config.n_layers
-        self.stats.prefill_flops += config.n_layers * _flops(config, rows)
+        # The device idles from the selection's host sync to the recompute's first launch: only what
+        # the launch needs runs in between (numpy, not Python sets), the bookkeeping after it.
+        picked = tokens.slots[selected].numpy()
+        text = np.asarray(text_positions, dtype=np.int64)
+        rows = np.union1d(picked, text[text > picked.min()]).tolist()
         capture.store = {}  # images to store keep the KV of the text pass: the request first computed them there
         capture.begin_chunk(rows)
         out = self._pass(self.seq, self.embed(rows), self._batch(rows), capture)
+        self.stats.recomputed_token_layers = len(rows) * config.n_layers
+        self.stats.prefill_flops += config.n_layers * _flops(config, rows)
         return self.model.logits(out[-1:])[0], capture
 
     def _pass(self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture: PassCapture) -> torch.Tensor:
@@ -302,21 +335,21 @@ class _PassScores:
             config, seq = self.run.model.config, self.run.seq
             device = self.run.model.device
             slots = self.tokens.slots.to(device, non_blocking=True)
-            # No host sync inside the loop: q positions are uploaded once per distinct list (the same
-            # for every layer in practice), and the per-layer results stay on the device.
+            # No host sync and no allocation inside the loop: q positions are uploaded once per distinct
+            # list (the same for every layer in practice), and each layer's mass goes to its row of one
+            # table (the layers hold as many slots: the text pass wrote them all).
             uploaded: dict[tuple[int, ...], torch.Tensor] = {}
-            masses, counts = [], []
-            for layer in self.layers:
+            masses = torch.empty(len(self.layers), seq.n_tokens(self.layers[0]), dtype=torch.float32, device=device)
+            counts = []
+            for row, layer in enumerate(self.layers):
                 q, found = self.capture.queries(layer, self.run.query_positions)
                 key = tuple(found)
                 if key not in uploaded:
                     uploaded[key] = torch.tensor(found, dtype=torch.int32).to(device, non_blocking=True)
-                mass, _, _ = seq.attention_stats(layer, q, uploaded[key], config.attention_scale)
-                masses.append(mass)
+                seq.attention_mass(layer, q, uploaded[key], config.attention_scale, out=masses[row])
                 counts.append(q.shape[0] * config.n_heads)
             per_row = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
-            # one gather for every layer (the layers hold as many slots: the pass wrote them all)
-            self._attention = torch.stack(masses)[:, slots] / per_row[:, None]
+            self._attention = masses[:, slots] / per_row[:, None]
             self.used = True
             self.flops = len(self.layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
                                                 for p in self.run.query_positions)

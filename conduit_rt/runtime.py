@@ -93,6 +93,7 @@ class _Request:
     keys: list[bytes]              # 32-byte identity of each image
     rope: torch.Tensor             # int32 [n] or [3, n], CPU
     identity: list                 # one hashable entry per prompt token (exact-prefix matching)
+    token_ids: np.ndarray          # int64 [n]: prompt.token_ids, for indexing by position arrays
 
     @property
     def next_rope(self) -> int:
@@ -259,7 +260,8 @@ class Runtime:
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
                               [image.n_tokens for image in images])
         rope = self.model.rope_positions(prompt, images)
-        return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys))
+        return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys),
+                        np.asarray(prompt.token_ids, dtype=np.int64))
 
     def _decode_images(self, payloads: list) -> tuple[list[np.ndarray], list[bytes]]:
         """Each image's RGB pixels ([H, W, 3] uint8) and cache key, in order.
@@ -379,7 +381,8 @@ class Runtime:
         messages = [{"role": "user", "content": [{"type": "image", "image": payload}]}]
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, [image.n_tokens])
         key = request.keys[slot.image_index]
-        wrapper = _Request(prompt, [payload], [image], [key], self.model.rope_positions(prompt, [image]), [])
+        wrapper = _Request(prompt, [payload], [image], [key], self.model.rope_positions(prompt, [image]), [],
+                           np.asarray(prompt.token_ids, dtype=np.int64))
         (image_slot,) = prompt.image_slots
         span = {key: (image_slot.start, image_slot.start + image_slot.n_tokens)}
         seq = self.arena.new_sequence()
@@ -398,18 +401,26 @@ class Runtime:
 
     def _embeddings(self, request: _Request, positions: list[int]) -> torch.Tensor:
         """Input embeddings of prompt positions: [len(positions), hidden], model dtype; image tokens
-        take their image's features (from the embedding cache, or the vision tower on a miss)."""
-        # Host -> device copies are non_blocking: a blocking one waits for every kernel queued before it.
-        ids = torch.tensor([request.prompt.token_ids[p] for p in positions], dtype=torch.long)
-        embeds = self.model.embed_tokens(ids.to(self.device, non_blocking=True))
-        index = torch.tensor(positions, dtype=torch.long)
+        take their image's features (from the embedding cache, or the vision tower on a miss).
+
+        The index arithmetic runs in numpy and reaches the device in one non-blocking upload (a
+        blocking one waits for every kernel queued before it); per image, one gather and one
+        scatter. The recompute pass calls this right after the selection's host sync, with the device
+        idle until its first launch."""
+        pos = np.asarray(positions, dtype=np.int64)
+        pieces, spans = [request.token_ids[pos]], []  # spans: (image index, length) per image shown
         for slot in request.prompt.image_slots:
-            inside = (index >= slot.start) & (index < slot.start + slot.n_tokens)
-            if bool(inside.any()):
-                features = self._image_features(request, slot.image_index)
-                rows = torch.nonzero(inside).flatten()
-                embeds[rows.to(self.device, non_blocking=True)] = \
-                    features[(index[rows] - slot.start).to(self.device, non_blocking=True)]
+            rows = np.flatnonzero((pos >= slot.start) & (pos < slot.start + slot.n_tokens))
+            if rows.size:
+                pieces += [rows, pos[rows] - slot.start]
+                spans.append((slot.image_index, rows.size))
+        index = torch.from_numpy(np.concatenate(pieces)).to(self.device, non_blocking=True)
+        embeds = self.model.embed_tokens(index[: pos.size])
+        offset = pos.size
+        for image_index, n in spans:
+            rows, features_rows = index[offset: offset + n], index[offset + n: offset + 2 * n]
+            embeds[rows] = self._image_features(request, image_index)[features_rows]
+            offset += 2 * n
         return embeds
 
     def _image_features(self, request: _Request, image_index: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from conduit_rt import Runtime
+from conduit_rt.errors import RequestError
 from conduit_rt.refresh import POLICIES, Conduit, budget_tokens
 from convert.cli import main as convert_main
 from tests.fixtures.tiny_llava import NUM_IMAGE_TOKENS, build_tiny_llava
@@ -121,7 +122,9 @@ def reference_selection(seen) -> torch.Tensor:
     tokens, positions = seen["tokens"], seen["positions"].long()
     q_pos = torch.tensor(seen["query_positions"])
     per_layer = []
-    for layer, (k, v) in enumerate(seen["kv"]):
+    chosen = seen["options"].layers or range(len(seen["kv"]))
+    for layer in chosen:
+        k, v = seen["kv"][layer]
         q, k, v = seen["q"][layer].double().cpu(), k.double().cpu(), v.double().cpu()  # q [|Q|, H, d]
         group = q.shape[1] // k.shape[1]
         keys = k.repeat_interleave(group, dim=1)                         # [n, H, d]
@@ -138,14 +141,15 @@ def reference_selection(seen) -> torch.Tensor:
     return torch.sort(torch.topk(s, seen["budget"]).indices).values
 
 
-@pytest.mark.parametrize("n_images,lam", [(1, 1.0), (3, 1.0), (3, 2.5)])
-def test_conduit_selection_equals_a_torch_reference(warm, monkeypatch, n_images, lam):
+@pytest.mark.parametrize("n_images,lam,layers", [(1, 1.0, None), (3, 1.0, None), (3, 2.5, None), (3, 1.0, (1,))])
+def test_conduit_selection_equals_a_torch_reference(warm, monkeypatch, n_images, lam, layers):
     """Exact on the CPU; in bf16 on CUDA, near-ties may swap, so 90% of the set must agree."""
     runtime, pics = warm
     recorder = RecordingConduit()
     monkeypatch.setitem(POLICIES, "conduit", recorder)
     messages = request("Yet another prefix.", pics[:n_images][::-1], "Which one has the most red?")
-    runtime.generate(messages, max_tokens=1, refresh="conduit", refresh_budget=0.2, refresh_options={"lam": lam})
+    runtime.generate(messages, max_tokens=1, refresh="conduit", refresh_budget=0.2,
+                     refresh_options={"lam": lam, "layers": layers})
     assert recorder.seen["budget"] == budget_tokens(0.2, n_images * NUM_IMAGE_TOKENS)
     expected = reference_selection(recorder.seen)
     if runtime.device.type == "cpu":
@@ -153,6 +157,15 @@ def test_conduit_selection_equals_a_torch_reference(warm, monkeypatch, n_images,
     else:
         overlap = len(set(recorder.chosen.tolist()) & set(expected.tolist()))
         assert overlap >= 0.9 * expected.numel()
+
+
+@pytest.mark.parametrize("options", [{"lam": -1.0}, {"query_tokens": 0}, {"layers": ()}, {"fill": "sideways"}])
+def test_bad_refresh_options_are_request_errors_and_the_runtime_keeps_answering(warm, options):
+    runtime, pics = warm
+    messages = request("Another prefix.", pics[::-1], "Which is darkest?")
+    with pytest.raises(RequestError):
+        runtime.generate(messages, max_tokens=1, refresh="conduit", refresh_options=options)
+    assert runtime.generate(messages, max_tokens=1, refresh="conduit").stats.image_hits == 3
 
 
 def test_exact_prefix_reuse_equals_a_cold_run(model_dir):

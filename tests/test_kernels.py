@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conduit_rt.arena import KVArena
+from conduit_rt.errors import InvalidArgumentError
 
 from . import reference
 
@@ -244,3 +245,9 @@ def test_attention_stats_match_the_materialised_probabilities(device, dtype, n_k
     assert (n_below.cpu().double() - ref_below).abs().max() <= max(2, 0.002 * float(ref_below.max()))
     # each (query, head) row that sees a key spreads a probability mass of exactly 1
     assert float(mass.sum()) == pytest.approx(float(torch.isfinite(ref_lse).sum()), rel=1e-4)
+    # the mass alone (no counts, no lse), into a row of a table: the same numbers, bit for bit
+    table = torch.full((2, n_tokens), float("nan"), device=device)
+    assert seq.attention_mass(0, q, q_pos.to(device), 1 / math.sqrt(head_dim), out=table[1]).data_ptr() == table[1].data_ptr()
+    assert torch.equal(table[1], mass) and torch.equal(seq.attention_mass(0, q, q_pos.to(device), 1 / math.sqrt(head_dim)), mass)
+    with pytest.raises(InvalidArgumentError):
+        seq.attention_mass(0, q, q_pos.to(device), 1.0, out=table[:, :-1].reshape(-1)[: n_tokens - 1])

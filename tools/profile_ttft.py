@@ -14,7 +14,8 @@ calls (``LABELLED``, wrapped in ``record_function`` for the run: cheap, so the h
 real speed), or with ``--stacks`` every Python frame (a slower host: the gaps grow several-fold, and
 the attribution is finer). The trace goes to ``--trace`` (chrome format, gzipped).
 
-    python3 tools/profile_ttft.py [--out profile_ttft.json] [--timeline [--stacks]] [--full] [--trace t.json.gz]
+    python3 tools/profile_ttft.py [--out profile_ttft.json] [--ttft N] [--timeline [--stacks]] [--full]
+        [--trace t.json.gz]
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="the timeline of the full-prefill request too")
     parser.add_argument("--min-gap-us", type=float, default=10.0)
     parser.add_argument("--trace", default=None, help="write the timeline run's chrome trace here (.json.gz)")
+    parser.add_argument("--ttft", type=int, default=0, metavar="N",
+                        help="first time N unprofiled warm requests of each kind, as conduit bench does (medians)")
     args = parser.parse_args()
     device = torch.device("cuda")
     e2e = EndToEnd(E2ESizes(), Timer(device), torch.bfloat16)
@@ -52,6 +55,7 @@ def main() -> None:
     for _ in range(2):  # warm-up: allocator, cuBLAS, Triton
         e2e.request("second", e2e.second, refresh="conduit", refresh_budget=0.1, max_tokens=1)
     torch.cuda.synchronize()
+    unprofiled = ttft_medians(e2e, args.ttft) if args.ttft else None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         result = e2e.request("second", e2e.second, refresh="conduit", refresh_budget=0.1, max_tokens=1)
@@ -67,6 +71,8 @@ def main() -> None:
                    for e in kernels]
     summary = {"wall_ms": wall * 1e3, "ttft_ms": result.stats.ttft_s * 1e3, "device_busy_ms": device_us / 1e3,
                "top_host": rows, "top_device": device_rows}
+    if unprofiled:
+        summary["unprofiled_ttft_ms"] = unprofiled
     if args.timeline:
         runs = {"conduit": {"refresh": "conduit", "refresh_budget": 0.1}}
         if args.full:
@@ -84,6 +90,18 @@ def main() -> None:
     print("device time by kernel:")
     for r in device_rows:
         print(f"{r['device_ms']:8.2f} ms {r['calls']:6d} x  {r['name']}")
+
+
+def ttft_medians(e2e: EndToEnd, repeats: int) -> dict:
+    """Median TTFT (ms) of ``repeats`` unprofiled warm requests: conduit at 10%, full prefill, conduit
+    again (the spread between the two conduit rows is the drift of the machine)."""
+    out = {}
+    for label, kwargs in (("conduit", {"refresh": "conduit", "refresh_budget": 0.1}), ("full", {}),
+                          ("conduit_again", {"refresh": "conduit", "refresh_budget": 0.1})):
+        out[label] = e2e.ttft(label, e2e.second, repeats, **kwargs)["ttft_s"] * 1e3
+    out["full_over_conduit"] = out["full"] / min(out["conduit"], out["conduit_again"])
+    print("unprofiled TTFT (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    return out
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
