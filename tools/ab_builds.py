@@ -12,7 +12,8 @@ Here (with git), source trees into .ab/ (ignore it: ``echo /.ab/ >> .git/info/ex
         main_nopdl=main+env:CONDUIT_PDL=0
 
 On the GPU machine (carry ``.ab``): builds every variant in parallel, then per round runs
-``tools/bench_decode_attention.py --no-sdpa`` and ``tools/profile_decode.py`` for each variant in turn:
+``tools/bench_decode_attention.py --no-sdpa`` and ``tools/profile_decode.py`` (with ``--prefill``:
+``tools/bench_prefill_attention.py``) for each variant in turn:
 
     python3 tools/ab_builds.py run --rounds 2 --out $OUT/ab.json
 """
@@ -84,7 +85,7 @@ def measure(lib: pathlib.Path, tool: list[str], extra_env: dict[str, str]) -> di
         return json.load(open(out.name))
 
 
-def run(rounds: int, out_path: str) -> None:
+def run(rounds: int, out_path: str, prefill: bool = False) -> None:
     import torch
 
     props = torch.cuda.get_device_properties(0)
@@ -94,6 +95,11 @@ def run(rounds: int, out_path: str) -> None:
     results = {v["name"]: {**v, "rows_us": [], "step_ms": []} for v in variants}
     for _ in range(rounds):
         for v, lib in zip(variants, libs):
+            if prefill:  # the many-query attention instead: rows in us, no decode step
+                rows = measure(lib, ["tools/bench_prefill_attention.py"], v.get("env", {}))["rows"]
+                results[v["name"]]["rows_us"].append({k: r["seconds"] * 1e6 for k, r in rows.items()})
+                results[v["name"]]["step_ms"].append(0.0)
+                continue
             rows = measure(lib, ["tools/bench_decode_attention.py", "--no-sdpa"], v.get("env", {}))["rows"]
             results[v["name"]]["rows_us"].append({k: r["seconds"] * 1e6 for k, r in rows.items()})
             step = measure(lib, ["tools/profile_decode.py", "--steps", "64"], v.get("env", {}))
@@ -114,11 +120,13 @@ def main() -> None:
     r = sub.add_parser("run", help="on the GPU machine: build, then alternate the measurements")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--out", default="ab.json")
+    r.add_argument("--prefill", action="store_true",
+                   help="measure the many-query attention (tools/bench_prefill_attention.py) instead of decode")
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.variants)
     else:
-        run(args.rounds, args.out)
+        run(args.rounds, args.out, args.prefill)
 
 
 if __name__ == "__main__":
