@@ -74,8 +74,7 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
 }
 
 template <typename T, int kHeadDim, int kWarps>
-__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads, kWarps == 4 ? CONDUIT_MMA_4WARP_CTAS_PER_SM : 1)
-    mma_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
     using S = MmaShape<kHeadDim, kWarps>;
     extern __shared__ uint4 mma_smem[];
     int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);

@@ -21,14 +21,6 @@ constexpr int32_t kMmaTileKeys = 64;
 #define CONDUIT_MMA_STAGES 3
 #endif
 
-// CTAs of 4 warps the tensor-core attention asks the compiler to fit on one SM (the second bound of
-// __launch_bounds__: registers are capped to fit; 1 leaves them uncapped). A build-time knob for
-// measuring occupancy against spills: at 3 (with CONDUIT_MMA_STAGES=2, whose 65 KiB of shared memory
-// fit three times) each scheduler has 3 warps instead of 2.
-#ifndef CONDUIT_MMA_4WARP_CTAS_PER_SM
-#define CONDUIT_MMA_4WARP_CTAS_PER_SM 1
-#endif
-
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
 // KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
 // shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
