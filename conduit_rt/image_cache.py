@@ -1,5 +1,10 @@
-"""The two image caches of a Runtime, both keyed by the image's 32-byte identity (preprocess.image_key).
+"""The image caches of a Runtime. Two are keyed by the image's 32-byte identity (preprocess.image_key),
+one by the encoded file an image came in:
 
+- ``DecodedImages``: sha256 of an encoded file (a path's content or bytes) -> its RGB pixels and
+  identity, LRU under a byte budget. A recurring image sent as a file skips decoding and hashing
+  its pixels, the host work every request does before its first kernel (CONDUIT restores nothing
+  before it knows which images it holds).
 - ``EmbeddingCache``: projected vision features of an image, [n_tokens, hidden] on the model's
   device, LRU under a byte budget (the recompute pass of CONDUIT starts from them).
 - ``ImageKVStore``: pre-RoPE K and V of an image's tokens for every decoder layer, in the native
@@ -9,16 +14,62 @@
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .arena import ImageEntry, KVArena
 from .errors import AlreadyExistsError, ArenaFullError
 
 logger = logging.getLogger(__name__)
+
+
+class DecodedImages:
+    """sha256 of an encoded image file -> (RGB pixels [H, W, 3] uint8, read-only; image key), least
+    recently used evicted past ``max_bytes`` of pixels. Thread-safe: a request's images are decoded
+    by a thread pool."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[bytes, tuple[np.ndarray, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def digest(encoded: bytes) -> bytes:
+        return hashlib.sha256(encoded).digest()
+
+    def get(self, digest: bytes) -> tuple[np.ndarray, bytes] | None:
+        with self._lock:
+            found = self._items.get(digest)
+            if found is not None:
+                self._items.move_to_end(digest)
+            return found
+
+    def put(self, digest: bytes, rgb: np.ndarray, key: bytes) -> None:
+        """Keeps a read-only view of ``rgb`` (the caller's array stays writable if it was)."""
+        size = rgb.nbytes
+        if size > self.max_bytes:
+            return
+        frozen = rgb.view()
+        frozen.flags.writeable = False
+        with self._lock:
+            old = self._items.pop(digest, None)
+            if old is not None:
+                self.bytes -= old[0].nbytes
+            while self._items and self.bytes + size > self.max_bytes:
+                _, (evicted, _) = self._items.popitem(last=False)
+                self.bytes -= evicted.nbytes
+            self._items[digest] = (frozen, key)
+            self.bytes += size
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class EmbeddingCache:

@@ -38,17 +38,18 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _KEY_DOMAIN = b"conduit-rt image key v1\0"
 
 
-def load_image(image: ImageInput) -> Image.Image:
+def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
     """Decode a path, encoded bytes or a PIL image into a loaded PIL image (mode unchanged).
 
     EXIF orientation is not applied, as Hugging Face's processors do not apply it.
-    Raises ``RequestError`` when the input cannot be read or decoded.
+    Raises ``RequestError`` when the input cannot be read or decoded; ``name`` says in it what the
+    bytes are (the path they were read from).
     """
     if isinstance(image, Image.Image):
         return image
     if isinstance(image, (bytes, bytearray, memoryview)):
         source: Any = io.BytesIO(bytes(image))
-        name = f"<{len(image)} bytes>"
+        name = name or f"<{len(image)} bytes>"
     elif isinstance(image, (str, os.PathLike)):
         source = name = os.fspath(image)
     else:
@@ -63,12 +64,30 @@ def load_image(image: ImageInput) -> Image.Image:
         raise RequestError(f"cannot decode image {name}: {error}") from error
 
 
-def to_rgb_array(image: ImageInput | np.ndarray) -> np.ndarray:
+def encoded_bytes(image: ImageInput | np.ndarray) -> bytes | None:
+    """The encoded file of a path or bytes payload (a file is read once, here), or None for a PIL
+    image or a pixel array. Raises ``RequestError`` when the file cannot be read."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fspath(image)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError as error:
+            raise RequestError(f"image file not found: {path}") from error
+        except OSError as error:
+            raise RequestError(f"cannot read image {path}: {error}") from error
+    return None
+
+
+def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.ndarray:
     """The image's RGB pixels, shape: [height, width, 3], dtype: uint8.
 
     Transparency (an alpha band or a palette transparency entry) is composited onto white, as
     Hugging Face's ``convert_to_rgb`` does; every other mode goes through ``convert("RGB")``.
-    An array must already be [height, width, 3] uint8. An image without pixels is a RequestError.
+    An array must already be [height, width, 3] uint8. An image without pixels is a RequestError;
+    ``name`` names encoded bytes in errors (see ``load_image``).
     """
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
@@ -77,7 +96,7 @@ def to_rgb_array(image: ImageInput | np.ndarray) -> np.ndarray:
                 f"{image.dtype}"
             )
         return np.ascontiguousarray(image)
-    pil = load_image(image)
+    pil = load_image(image, name)
     if pil.width == 0 or pil.height == 0:
         raise RequestError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
     if "A" in pil.getbands() or pil.info.get("transparency") is not None:

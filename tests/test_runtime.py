@@ -192,6 +192,60 @@ def test_one_lazily_opened_image_shown_twice(runtime):
     assert got.tokens == want.tokens and got.stats.images == 2
 
 
+def test_recurring_image_files_are_decoded_once_and_answer_as_their_pixels(runtime, tmp_path, monkeypatch):
+    """An image sent again as a file (a path, or the same bytes) comes from the decoded-image cache:
+    not decoded again; the answer equals the one for its decoded pixels (a PIL image); a file
+    rewritten at the same path is decoded anew; an unreadable path is a RequestError."""
+    import conduit_rt.preprocess as preprocess
+
+    pictures = images(2, seed=9)
+    paths = []
+    for i, picture in enumerate(pictures):
+        paths.append(tmp_path / f"{i}.png")
+        picture.save(paths[-1])
+    decodes = []
+    real_load = preprocess.load_image
+    monkeypatch.setattr(preprocess, "load_image", lambda image, name=None: decodes.append(name) or real_load(image, name))
+    runtime.decoded_images = type(runtime.decoded_images)(runtime.decoded_images.max_bytes)
+
+    def answer(parts):  # no exact prefix of an earlier request: every answer computed alike
+        runtime.prefix_cache.clear()
+        return runtime.generate([user("Which?", parts)], max_tokens=4, return_logits=True)
+
+    want = answer(pictures)
+    decodes.clear()
+    first = answer(paths)
+    assert sorted(decodes) == sorted(str(p) for p in paths)  # decoded from the files, named by them
+    decodes.clear()
+    again = answer([paths[0], paths[1].read_bytes()])
+    assert decodes == [] and len(runtime.decoded_images) == 2
+    for got in (first, again):
+        assert got.tokens == want.tokens and torch.equal(got.logits, want.logits)
+    pictures[1].transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(paths[1])  # new content, same path
+    changed = answer(paths)
+    assert decodes == [str(paths[1])] and len(runtime.decoded_images) == 3
+    assert not torch.equal(changed.logits, want.logits)
+    with pytest.raises(RequestError, match="not found"):
+        runtime.generate([user("Which?", [tmp_path / "gone.png"])], max_tokens=2)
+    assert runtime.generate([user("Which?", paths)], max_tokens=2).stats.images == 2
+
+
+def test_decoded_images_evict_the_least_recently_used_under_their_budget():
+    from conduit_rt.image_cache import DecodedImages
+
+    pixels = [np.full((10, 10, 3), i, dtype=np.uint8) for i in range(4)]  # 300 bytes each
+    cache = DecodedImages(max_bytes=700)
+    for i in range(2):
+        cache.put(bytes([i]), pixels[i], b"key%d" % i)
+    assert cache.get(bytes([0]))[1] == b"key0"  # 0 is now the most recently used
+    cache.put(bytes([2]), pixels[2], b"key2")
+    assert cache.get(bytes([1])) is None and cache.get(bytes([0])) is not None and cache.bytes == 600
+    rgb, _ = cache.get(bytes([2]))
+    assert np.array_equal(rgb, pixels[2]) and not rgb.flags.writeable and pixels[2].flags.writeable
+    cache.put(bytes([3]), np.zeros((20, 20, 3), dtype=np.uint8), b"big")  # over the whole budget: not kept
+    assert cache.get(bytes([3])) is None and len(cache) == 2
+
+
 def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, capacity: int | None = None) -> None:
     """Greedy decoding on CUDA in float32 replayed from a CUDA graph equals eager decoding: same tokens,
     logits within float32 noise (the graph's batch attention splits the keys differently), and every
