@@ -358,7 +358,10 @@ class _PassScores:
     def value_norms(self) -> torch.Tensor:
         """||V_l(t)|| over all KV heads, from the cached entries: float32 [n_layers_chosen, N]."""
         norms = torch.cat([r.cached.value_norms for r in self.run.restored], dim=1)  # [L, N]
-        return norms[self.layers].to(self.run.model.device, non_blocking=True)
+        if self.layers != list(range(norms.shape[0])):
+            # a device index: a Python list would go up in a blocking copy, which waits for the scoring
+            norms = norms[torch.tensor(self.layers).to(norms.device, non_blocking=True)]
+        return norms.to(self.run.model.device, non_blocking=True)
 
 
 def _flops(config, positions: list[int]) -> float:
