@@ -65,8 +65,9 @@ def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
 
 
 def encoded_bytes(image: ImageInput | np.ndarray) -> bytes | None:
-    """The encoded file of a path or bytes payload (a file is read once, here), or None for a PIL
-    image or a pixel array. Raises ``RequestError`` when the file cannot be read."""
+    """The encoded file of a path or bytes payload (a file is read once, here, whole: its digest is
+    the decoded-image cache's key), or None for a PIL image or a pixel array. Raises
+    ``RequestError`` when the file cannot be read."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)
     if isinstance(image, (str, os.PathLike)):

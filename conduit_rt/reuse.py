@@ -70,7 +70,7 @@ class PassCapture:
         self._observed: dict[int, int] = {}  # position -> row among the chunk's observed rows
         self._rows: list[int] = []           # the chunk's observed rows, in order
         self._rows_on: dict[torch.device, torch.Tensor] = {}
-        self._plans: dict[tuple, tuple[list[int], object]] = {}  # see _query_plan
+        self._plans: dict[tuple, tuple[list[int], object, tuple]] = {}  # see _query_plan
 
     def begin_chunk(self, positions: list[int]) -> None:
         """The next forward computes these prompt positions, one per row."""
@@ -106,6 +106,7 @@ class PassCapture:
         """q at ``layer`` of those ``positions`` that were computed: ([n, n_heads, head_dim], positions)."""
         passes = self.q.get(layer, [])
         found, gather = self._query_plan(tuple(rows for rows, _ in passes), positions)
+        found = list(found)  # the plan's own is shared by every layer
         if not found:
             return torch.zeros(0), []
         if isinstance(gather, int):  # one pass computed them all, as its rows in order
@@ -122,8 +123,8 @@ class PassCapture:
         ``_PassRows`` (some rows of one pass) or [(pass index, row), ...] across passes."""
         key = (tuple(id(m) for m in maps), tuple(positions))
         plan = self._plans.get(key)
-        if plan is not None:
-            return plan
+        if plan is not None and all(a is b for a, b in zip(plan[2], maps)):  # the same maps, not reused ids
+            return plan[0], plan[1]
         sources = {}  # position -> (pass, row), the latest pass that computed it
         for index, rows in enumerate(maps):
             sources.update((p, (index, row)) for p, row in rows.items())
@@ -133,8 +134,8 @@ class PassCapture:
         if taken and all(index == taken[0][0] for index, _ in taken):
             index, rows = taken[0][0], [row for _, row in taken]
             gather = index if rows == list(range(len(maps[index]))) else _PassRows(index, rows)
-        plan = self._plans[key] = (found, gather)
-        return plan
+        self._plans[key] = (found, gather, maps)
+        return found, gather
 
     def stored(self, key: bytes, n_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer pre-RoPE K and V [n_tokens, n_kv_heads, head_dim] of an image to store."""

@@ -128,7 +128,8 @@ class Runtime:
             free GPU memory).
         image_cache_bytes: the image-KV store's LRU budget inside the arena (default: a quarter of
             it); the embedding cache gets a sixteenth of this on top, and the decoded pixels of
-            recurring image files (``image_cache.DecodedImages``) a sixty-fourth (at least 16 MiB).
+            recurring image files (``image_cache.DecodedImages``) a sixty-fourth (at least 16 MiB;
+            none when this is 0).
         prefix_cache_entries: recent sequences kept for exact-prefix reuse across requests.
         cuda_graphs: on a CUDA device, replay each decode step from a captured CUDA graph
             (``decode_graph.GraphedDecoder``) instead of launching it from Python, and the dense work
@@ -173,7 +174,8 @@ class Runtime:
         self.arena = self.model.new_arena(kv_bytes, image_cache_bytes=image_bytes)
         self.image_kv = ImageKVStore(self.arena)
         self.embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
-        self.decoded_images = DecodedImages(max(image_bytes // 64, 16 << 20))  # pixels of recurring files
+        # pixels of recurring image files; none when image caching is off
+        self.decoded_images = DecodedImages(max(image_bytes // 64, 16 << 20) if image_bytes > 0 else 0)
         self.prefix_cache = PrefixCache(prefix_cache_entries)
         graphs = cuda_graphs and self.device.type == "cuda"
         self.graphed_decoder = GraphedDecoder(model, self.arena) if graphs else None
@@ -298,6 +300,9 @@ class Runtime:
     def _prefill_planned(self, request: _Request, spec: RefreshSpec, squeeze: CompressSpec,
                          turn: Any) -> tuple[Any, torch.Tensor, GenerationStats, Any]:
         """Plans the exact prefix and the restored images, then runs the prefill (``ReusePass``)."""
+        layers, n_layers = spec.options.layers, self.model.config.n_layers
+        if layers is not None and any(not 0 <= layer < n_layers for layer in layers):
+            raise RequestError(f"refresh layers must be in [0, {n_layers}), got {list(layers)}")
         seq, reused = self._exact_prefix(turn, request.identity)
         n = len(request.prompt.token_ids)
         stats = GenerationStats(prompt_tokens=n, reused_tokens=reused, prefill_tokens=n - reused,

@@ -159,13 +159,29 @@ def test_conduit_selection_equals_a_torch_reference(warm, monkeypatch, n_images,
         assert overlap >= 0.9 * expected.numel()
 
 
-@pytest.mark.parametrize("options", [{"lam": -1.0}, {"query_tokens": 0}, {"layers": ()}, {"fill": "sideways"}])
+@pytest.mark.parametrize("options", [{"lam": -1.0}, {"query_tokens": 0}, {"layers": ()}, {"layers": (99,)},
+                                     {"layers": (-1,)}, {"fill": "sideways"}])
 def test_bad_refresh_options_are_request_errors_and_the_runtime_keeps_answering(warm, options):
     runtime, pics = warm
     messages = request("Another prefix.", pics[::-1], "Which is darkest?")
     with pytest.raises(RequestError):
         runtime.generate(messages, max_tokens=1, refresh="conduit", refresh_options=options)
     assert runtime.generate(messages, max_tokens=1, refresh="conduit").stats.image_hits == 3
+
+
+@pytest.mark.parametrize("signs", ["mixed", "all non-positive"])
+def test_amplification_equals_its_formula(signs):
+    """c_j = 1 + lam (m_j / mean m - 1), m_j the mean of max(s, 0) over image j; c = 1 when every m_j is 0."""
+    from conduit_rt.refresh import amplify
+
+    gen = torch.Generator().manual_seed(3)
+    image = torch.tensor([0] * 5 + [1] * 3 + [2] * 7)
+    scores = torch.randn(15, generator=gen, dtype=torch.float64)
+    if signs != "mixed":
+        scores = -scores.abs()
+    m = torch.stack([scores[image == j].clamp(min=0).mean() for j in range(3)])
+    c = torch.ones(3, dtype=torch.float64) if float(m.mean()) == 0 else 1 + 1.5 * (m / m.mean() - 1)
+    assert torch.allclose(amplify(scores, image, 3, 1.5), c[image] * scores, rtol=1e-12, atol=0)
 
 
 def test_exact_prefix_reuse_equals_a_cold_run(model_dir):

@@ -225,6 +225,12 @@ def test_recurring_image_files_are_decoded_once_and_answer_as_their_pixels(runti
     changed = answer(paths)
     assert decodes == [str(paths[1])] and len(runtime.decoded_images) == 3
     assert not torch.equal(changed.logits, want.logits)
+    # one file as three distinct objects of one request (decoded by pool threads at once): one answer
+    decodes.clear()
+    runtime.decoded_images = type(runtime.decoded_images)(runtime.decoded_images.max_bytes)
+    trio = answer([str(paths[0]), paths[0], paths[0].read_bytes()])
+    assert len(runtime.decoded_images) == 1 and 1 <= len(decodes) <= 3
+    assert trio.tokens == answer([pictures[0]] * 3).tokens
     with pytest.raises(RequestError, match="not found"):
         runtime.generate([user("Which?", [tmp_path / "gone.png"])], max_tokens=2)
     assert runtime.generate([user("Which?", paths)], max_tokens=2).stats.images == 2

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from conduit_rt.chat import build_prompt
-from conduit_rt.image_cache import EmbeddingCache
+from conduit_rt.image_cache import DecodedImages, EmbeddingCache
 from conduit_rt.models.base import ForwardBatch
 from conduit_rt.models.random_init import random_llava
 from conduit_rt.preprocess import image_key, to_rgb_array
@@ -68,13 +68,15 @@ class EndToEnd:
         return result
 
     def forget_images(self) -> None:
-        """Empties the embedding cache and evicts the images' KV: the next request sees them cold."""
+        """Empties the embedding and decoded-image caches and evicts the images' KV: the next request
+        sees them cold."""
         a = self.runtime.assets
         for image in self.images:
             key = image_key(to_rgb_array(image), a.preprocess.as_dict(), a.vision_model_id)
             if self.runtime.arena.has_image(key):
                 self.runtime.arena.evict_image(key)
         self.runtime.embeddings = EmbeddingCache(self.runtime.embeddings.max_bytes)
+        self.runtime.decoded_images = DecodedImages(self.runtime.decoded_images.max_bytes)
 
     def ttft(self, label: str, messages: list[dict], repeats: int, cold: bool = False, **kwargs) -> dict:
         samples, result = [], None

@@ -95,7 +95,7 @@ def _frozen_pixels(rgb: np.ndarray) -> np.ndarray:
     base = rgb
     while isinstance(base, np.ndarray):
         base = base.base
-    if isinstance(rgb, np.ndarray) and rgb.dtype == np.uint8 and isinstance(base, bytes):
+    if isinstance(rgb, np.ndarray) and rgb.dtype == np.uint8 and rgb.flags.c_contiguous and isinstance(base, bytes):
         return rgb
     return np.array(rgb, dtype=np.uint8, copy=True)
 
