@@ -415,7 +415,7 @@ class Sequence(_Child):
         mass = torch.empty(self.n_tokens(layer), dtype=torch.float32, device=q.device)
         n_below = torch.empty(n_heads, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device)
-        self._stats(layer, q, q_pos, scale, threshold, mass, n_below, lse)
+        self._stats(layer, q, n_q, n_heads, q_pos, scale, threshold, mass, n_below, lse)
         return mass, n_below, lse
 
     def attention_mass(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
@@ -427,7 +427,7 @@ class Sequence(_Child):
         if out is None:
             out = torch.empty(n_tokens, dtype=torch.float32, device=self.arena.device)
         self.arena.ptr(out, "out", [n_tokens], torch.float32)
-        self._stats(layer, q, q_pos, scale, 0.0, out, None, None)
+        self._stats(layer, q, *self._stats_shape(q), q_pos, scale, 0.0, out, None, None)
         return out
 
     def _stats_shape(self, q: torch.Tensor) -> tuple[int, int]:
@@ -435,9 +435,8 @@ class Sequence(_Child):
             raise InvalidArgumentError("q must be a [n_q, n_heads, head_dim] tensor")
         return int(q.shape[0]), int(q.shape[1])
 
-    def _stats(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float, threshold: float,
-               mass: torch.Tensor, n_below: torch.Tensor | None, lse: torch.Tensor | None) -> None:
-        n_q, n_heads = self._stats_shape(q)
+    def _stats(self, layer: int, q: torch.Tensor, n_q: int, n_heads: int, q_pos: torch.Tensor, scale: float,
+               threshold: float, mass: torch.Tensor, n_below: torch.Tensor | None, lse: torch.Tensor | None) -> None:
         qp = self.arena.ptr(q, "q", [n_q, n_heads, self.arena.head_dim])
         pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
         f = self._ffi

@@ -68,19 +68,17 @@ class PassCapture:
         self._kv: dict[bytes, dict[int, tuple[list, list]]] = {key: {} for key in store}
         self._positions: list[int] = []
         self._observed: dict[int, int] = {}  # position -> row among the chunk's observed rows
-        self._rows: list[int] = []           # the chunk's observed rows, in order
-        self._rows_on: dict[torch.device, torch.Tensor] = {}
+        self._rows = _DeviceIndex([])        # the chunk's observed rows, in order
         self._plans: dict[tuple, tuple[list[int], object, tuple]] = {}  # see _query_plan
 
     def begin_chunk(self, positions: list[int]) -> None:
         """The next forward computes these prompt positions, one per row."""
         self._positions = positions
-        self._rows = [i for i, p in enumerate(positions) if p in self.observe]
-        self._observed = {positions[i]: j for j, i in enumerate(self._rows)}
-        self._rows_on = {}
+        self._rows = _DeviceIndex([i for i, p in enumerate(positions) if p in self.observe])
+        self._observed = {positions[i]: j for j, i in enumerate(self._rows.rows)}
 
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        if self._rows:
+        if self._rows.rows:
             self.q.setdefault(layer, []).append((self._observed, self._observed_q(q)))
         lo, hi = self._positions[0], self._positions[-1] + 1
         for key, (a, b) in self.store.items():
@@ -94,13 +92,10 @@ class PassCapture:
     def _observed_q(self, q: torch.Tensor) -> torch.Tensor:
         """The chunk's observed rows of q, in a tensor of their own (q may be a buffer the next
         layer overwrites)."""
-        first, count = self._rows[0], len(self._rows)
-        if self._rows[-1] - first + 1 == count:
-            return q[first: first + count].clone()
-        rows = self._rows_on.get(q.device)
-        if rows is None:
-            rows = self._rows_on[q.device] = torch.tensor(self._rows).to(q.device, non_blocking=True)
-        return q[rows]
+        rows = self._rows.rows
+        if rows[-1] - rows[0] + 1 == len(rows):
+            return q[rows[0]: rows[0] + len(rows)].clone()
+        return q[self._rows.on(q.device)]
 
     def queries(self, layer: int, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """q at ``layer`` of those ``positions`` that were computed: ([n, n_heads, head_dim], positions)."""
@@ -111,16 +106,17 @@ class PassCapture:
             return torch.zeros(0), []
         if isinstance(gather, int):  # one pass computed them all, as its rows in order
             return passes[gather][1].contiguous(), found
-        if isinstance(gather, _PassRows):  # one pass, some of its rows: one gather
-            tensor = passes[gather.index][1]
-            return tensor[gather.on(tensor.device)].contiguous(), found
+        if isinstance(gather, tuple):  # one pass, some of its rows: one gather
+            index, rows = gather
+            tensor = passes[index][1]
+            return tensor[rows.on(tensor.device)].contiguous(), found
         return torch.stack([passes[index][1][row] for index, row in gather]).contiguous(), found
 
     def _query_plan(self, maps: tuple[dict[int, int], ...], positions: list[int]) -> tuple[list[int], object]:
         """Which of ``positions`` the passes computed and where their q rows lie, worked out once per
         distinct list of position -> row maps (every layer of a pass shares its chunk's map, so the
         32 layers of a scoring loop share one plan). The plan: a pass index (all its rows, in order),
-        ``_PassRows`` (some rows of one pass) or [(pass index, row), ...] across passes."""
+        (pass index, its rows as a ``_DeviceIndex``) or [(pass index, row), ...] across passes."""
         key = (tuple(id(m) for m in maps), tuple(positions))
         plan = self._plans.get(key)
         if plan is not None and all(a is b for a, b in zip(plan[2], maps)):  # the same maps, not reused ids
@@ -133,7 +129,7 @@ class PassCapture:
         gather: object = taken
         if taken and all(index == taken[0][0] for index, _ in taken):
             index, rows = taken[0][0], [row for _, row in taken]
-            gather = index if rows == list(range(len(maps[index]))) else _PassRows(index, rows)
+            gather = index if rows == list(range(len(maps[index]))) else (index, _DeviceIndex(rows))
         self._plans[key] = (found, gather, maps)
         return found, gather
 
@@ -144,15 +140,16 @@ class PassCapture:
         return ks, vs
 
 
-class _PassRows:
-    """Rows of one pass's observed q, with their index uploaded once per device."""
+class _DeviceIndex:
+    """Row indices (a list, host) with their int64 tensor uploaded once per device, non-blocking (a
+    blocking upload waits for every queued kernel)."""
 
-    def __init__(self, index: int, rows: list[int]) -> None:
-        self.index, self.rows = index, rows
+    def __init__(self, rows: list[int]) -> None:
+        self.rows = rows
         self._on: dict[torch.device, torch.Tensor] = {}
 
     def on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._on:  # non_blocking: a blocking upload waits for every queued kernel
+        if device not in self._on:
             self._on[device] = torch.tensor(self.rows).to(device, non_blocking=True)
         return self._on[device]
 

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,10 @@ class _Request:
     keys: list[bytes]              # 32-byte identity of each image
     rope: torch.Tensor             # int32 [n] or [3, n], CPU
     identity: list                 # one hashable entry per prompt token (exact-prefix matching)
-    token_ids: np.ndarray          # int64 [n]: prompt.token_ids, for indexing by position arrays
+    token_ids: np.ndarray = field(init=False)  # int64 [n]: prompt.token_ids, indexed by position arrays
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", np.asarray(self.prompt.token_ids, dtype=np.int64))
 
     @property
     def next_rope(self) -> int:
@@ -264,8 +267,7 @@ class Runtime:
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
                               [image.n_tokens for image in images])
         rope = self.model.rope_positions(prompt, images)
-        return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys),
-                        np.asarray(prompt.token_ids, dtype=np.int64))
+        return _Request(prompt, payloads, images, keys, rope, _identity(prompt, keys))
 
     def _decode_images(self, payloads: list) -> tuple[list[np.ndarray], list[bytes]]:
         """Each image's RGB pixels ([H, W, 3] uint8) and cache key, in order.
@@ -402,8 +404,7 @@ class Runtime:
         messages = [{"role": "user", "content": [{"type": "image", "image": payload}]}]
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, [image.n_tokens])
         key = request.keys[slot.image_index]
-        wrapper = _Request(prompt, [payload], [image], [key], self.model.rope_positions(prompt, [image]), [],
-                           np.asarray(prompt.token_ids, dtype=np.int64))
+        wrapper = _Request(prompt, [payload], [image], [key], self.model.rope_positions(prompt, [image]), [])
         (image_slot,) = prompt.image_slots
         span = {key: (image_slot.start, image_slot.start + image_slot.n_tokens)}
         seq = self.arena.new_sequence()
