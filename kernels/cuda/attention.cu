@@ -256,7 +256,9 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
     p.out = out;
     p.lse = lse;
-    if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group)) { // many queries: tensor cores
+    // many queries: tensor cores (whose softmax folds a positive scale into its exponent: a zero or
+    // negative one, which no model uses, takes the CUDA-core kernels below)
+    if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group) && p.scale_log2 > 0.0f) {
         // Few rows per KV head give fewer CTAs than the device holds (a CONDUIT text pass: 64 on an
         // H200 that holds 264), each streaming every key alone: split the keys until one wave is full.
         const int warps = mma_warps_for(p);

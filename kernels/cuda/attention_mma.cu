@@ -73,6 +73,31 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
     }
 }
 
+// scale_and_mask without the scaling: sets the scores of slots a row cannot see to -inf (unless the
+// tile is open) and returns the lane's max of each row (g, g + 8) of the raw scores in tile_max.
+template <int kKeyTiles>
+__device__ __forceinline__ void mask_raw(float (&s)[kKeyTiles][4], TileView view, const WarpRows &rows,
+                                         const int32_t *tile_pos, int32_t tile_keys, float (&tile_max)[2]) {
+    const int32_t t = threadIdx.x % 4;
+    tile_max[0] = tile_max[1] = -CUDART_INF_F;
+    if (view == kTileMasked) {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int r = j / 2, key = 8 * n + 2 * t + j % 2;
+                const bool seen = rows.valid[r] && key < tile_keys && tile_pos[key] <= rows.q_pos[r];
+                s[n][j] = seen ? s[n][j] : -CUDART_INF_F;
+                tile_max[r] = fmaxf(tile_max[r], s[n][j]);
+            }
+    } else {
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) tile_max[j / 2] = fmaxf(tile_max[j / 2], s[n][j]);
+    }
+}
+
 template <typename T, int kHeadDim, int kWarps>
 __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
     using S = MmaShape<kHeadDim, kWarps>;
@@ -103,21 +128,35 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
     const int32_t tiles_per_split = p.n_splits > 1 ? p.split_tokens / S::kKeys : n_tiles;
     const int32_t tile_begin = min(n_tiles, split * tiles_per_split);
     const int32_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
+    // The V rows' ldmatrix.trans addresses: key 16 k + ((lane / 8) % 2) * 8 + lane % 8, chunk 2 n + lane / 16.
+    const LaneChunks<S::kRowChunks> v_chunks(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
         const uint4 *v_tile = k_tile + S::kTileChunks;
         const int32_t tile_keys = min(S::kKeys, p.n_tokens - tile * S::kKeys);
 
-        // S = Q K^T; masked (unless every slot is visible to every row) and scaled to base 2.
+        // S = Q K^T; masked (unless every slot is visible to every row). Base-2 scores are s *
+        // scale_log2 (positive: attention.cu sends no other here): the row maxima are taken on the
+        // raw scores (the same bits as the maxima of the products: rounding a product by a positive
+        // factor is monotonic) and the scale goes into the exponent's FFMA, 32 multiplies a lane and
+        // tile fewer.
         float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
         tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
-        scale_and_mask<S::kKeyTiles>(s, view, rows, tile_pos, tile_keys, p.scale_log2, tile_max);
+        mask_raw<S::kKeyTiles>(s, view, rows, tile_pos, tile_keys, tile_max);
+        tile_max[0] *= p.scale_log2;
+        tile_max[1] *= p.scale_log2;
         rescale_running(tile_max, run_max, run_sum, ref, alpha);
+        // Once the rows' maxima settle, most tiles move none of them (alpha = 1 exactly): skip the
+        // accumulator's 64 multiplies a lane when the whole warp agrees.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int n = 0; n < S::kDimTiles; ++n)
+            for (int n = 0; n < S::kDimTiles; ++n)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[n][j] *= alpha[j / 2];
+                for (int j = 0; j < 4; ++j) acc[n][j] *= alpha[j / 2];
+        }
 
         // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1.
+        const uint4 *v_ptrs[4];
+        v_chunks.pointers(v_tile, v_ptrs);
 #pragma unroll
         for (int k = 0; k < S::kKeyTiles / 2; ++k) {
             uint32_t a[4];
@@ -126,7 +165,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
                 float *sv = s[2 * k + h];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    sv[j] = fast_exp2(sv[j] - ref[j / 2]);
+                    sv[j] = fast_exp2(fmaf(sv[j], p.scale_log2, -ref[j / 2])); // masked: 2^-inf = 0
                     run_sum[j / 2] += sv[j];
                 }
                 a[2 * h] = pack2<T>(sv[0], sv[1]);
@@ -135,8 +174,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
 #pragma unroll
             for (int n = 0; n < S::kDimTiles / 2; ++n) {
                 uint32_t b[4];
-                const int key = 16 * k + ((lane / 8) % 2) * 8 + lane % 8;
-                ldmatrix_x4_trans(b, v_tile + swizzled<S::kRowChunks>(key, 2 * n + lane / 16));
+                ldmatrix_x4_trans(b, LaneChunks<S::kRowChunks>::at(v_ptrs, k, n));
                 mma_m16n8k16<T>(acc[2 * n], a, b[0], b[1]);
                 mma_m16n8k16<T>(acc[2 * n + 1], a, b[2], b[3]);
             }
@@ -207,7 +245,8 @@ int64_t mma_attention_resident_ctas(DType dtype, int32_t head_dim, int warps) {
 }
 
 void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cudaStream_t stream) {
-    require(mma_attention_applies(dtype, p.head_dim, p.n_q, p.group), "shape not supported by the mma attention");
+    require(mma_attention_applies(dtype, p.head_dim, p.n_q, p.group) && p.scale_log2 > 0.0f,
+            "shape or scale not supported by the mma attention");
     require(p.n_splits <= 1 || (p.partial_out && p.partial_lse && p.split_tokens % kMmaTileKeys == 0),
             "mma attention: splits need partials and whole key tiles");
     dispatch_mma(dtype, p.head_dim, warps, [&](auto kernel) { decltype(kernel)::launch(p, stream); });

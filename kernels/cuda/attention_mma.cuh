@@ -53,6 +53,31 @@ template <int kRowChunks> __device__ __forceinline__ int swizzled(int row, int c
     return row * kRowChunks + (chunk ^ (row & 7));
 }
 
+// The swizzled chunk indices a lane's ldmatrix reads over a tile: row 16 m + row_lane, chunk 2 c + bit,
+// for every m and c of an unrolled loop, from four lane constants and immediates. The row's low
+// three bits (the swizzle's XOR) are row_lane's for every m, so chunk ^ (row & 7) splits into
+// 2 ((c % 4) ^ q) + 8 (c / 4) + ((bit ^ row_lane) & 1) with q = bits 1-2 of row_lane: the four
+// values of the first term are the constants (computed once, before the tile loop, in place of an
+// XOR and multiply-adds at every ldmatrix).
+template <int kRowChunks> struct LaneChunks {
+    int32_t base[4];
+
+    __device__ __forceinline__ LaneChunks(int32_t row_lane, int32_t bit) {
+        const int32_t q = (row_lane >> 1) & 3, low = (bit ^ row_lane) & 1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) base[j] = row_lane * kRowChunks + 2 * (j ^ q) + low;
+    }
+    // The lane's four base pointers into a tile (once per tile); then at(ptrs, m, c) ==
+    // tile + swizzled<kRowChunks>(16 * m + row_lane, 2 * c + bit), a base plus a constant.
+    __device__ __forceinline__ void pointers(const uint4 *tile, const uint4 *(&ptrs)[4]) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ptrs[j] = tile + base[j];
+    }
+    static __device__ __forceinline__ const uint4 *at(const uint4 *const (&ptrs)[4], int m, int c) {
+        return ptrs[c & 3] + (m * 16 * kRowChunks + 8 * (c >> 2));
+    }
+};
+
 // Two values rounded to T and packed as one 32-bit register, `lo` in the low half (the lower
 // column of an mma fragment pair).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

@@ -317,6 +317,11 @@ template <typename T, int kHeadDim, int kWarps>
 __device__ __forceinline__ void tile_scores(const uint32_t (&q_frag)[kHeadDim / 16][4], const uint4 *k_tile,
                                             float (&s)[MmaShape<kHeadDim, kWarps>::kKeyTiles][4]) {
     using S = MmaShape<kHeadDim, kWarps>;
+    const int lane = threadIdx.x % 32;
+    // load_key_pair's addresses: key 16 n + (lane / 16) * 8 + lane % 8, chunk 2 k + (lane / 8) % 2
+    const LaneChunks<S::kRowChunks> k_chunks((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const uint4 *k_ptrs[4];
+    k_chunks.pointers(k_tile, k_ptrs);
 #pragma unroll
     for (int n = 0; n < S::kKeyTiles; ++n)
 #pragma unroll
@@ -326,7 +331,7 @@ __device__ __forceinline__ void tile_scores(const uint32_t (&q_frag)[kHeadDim / 
 #pragma unroll
         for (int n = 0; n < S::kKeyTiles / 2; ++n) {
             uint32_t b[4];
-            load_key_pair<S::kRowChunks>(b, k_tile, n, k);
+            ldmatrix_x4(b, LaneChunks<S::kRowChunks>::at(k_ptrs, n, k)); // = load_key_pair(b, k_tile, n, k)
             mma_m16n8k16<T>(s[2 * n], q_frag[k], b[0], b[1]);
             mma_m16n8k16<T>(s[2 * n + 1], q_frag[k], b[2], b[3]);
         }
