@@ -91,7 +91,8 @@ def run(rounds: int, out_path: str, prefill: bool = False) -> None:
     props = torch.cuda.get_device_properties(0)
     variants = json.loads((AB_DIR / "plan.json").read_text())
     with ThreadPoolExecutor(len(variants)) as pool:
-        libs = list(pool.map(lambda v: build(v, f"{props.major}{props.minor}"), variants))
+        arch = f"{props.major}{props.minor}" + ("a" if props.major == 9 else "")  # Hopper: wgmma needs 90a
+        libs = list(pool.map(lambda v: build(v, arch), variants))
     results = {v["name"]: {**v, "rows_us": [], "step_ms": []} for v in variants}
     for _ in range(rounds):
         for v, lib in zip(variants, libs):

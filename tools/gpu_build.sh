@@ -5,7 +5,8 @@ out="${OUT:-/tmp/conduit-gpu}"; mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-arch=$(python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(f'{p.major}{p.minor}')")
+# Hopper as 90a (wgmma: kernels/cuda/wgmma.cuh)
+arch=$(python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(f'{p.major}{p.minor}' + ('a' if p.major == 9 else ''))")
 cmake -S . -B /tmp/conduit-build -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCONDUIT_CUDA=ON > "$out/cmake.log" 2>&1 \
   && cmake --build /tmp/conduit-build >> "$out/cmake.log" 2>&1 || { tail -50 "$out/cmake.log"; return 1 2>/dev/null || exit 1; }
 export CONDUIT_LIB=/tmp/conduit-build/libconduit.so

@@ -226,6 +226,7 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
     require(aligned16(kv.pool), "the block pool must be 16-byte aligned");
     require(kv.n_tokens == 0 || (kv.block_table && kv.positions), "attention needs block_table and positions");
     require(n_heads < 65536 && int64_t(n_q) * n_heads < (int64_t(1) << 31), "too many queries or heads for one launch");
+    require(kv.block_elems() < (int64_t(1) << 31), "a block of the pool must hold fewer than 2^31 elements");
 
     AttentionParams p{};
     p.pool = kv.pool;

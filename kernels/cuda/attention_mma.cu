@@ -98,12 +98,19 @@ __device__ __forceinline__ void mask_raw(float (&s)[kKeyTiles][4], TileView view
     }
 }
 
+// Dynamic shared memory of the kernel: its stages (MmaShape::kSmemBytes) and room to align them to
+// the wgmma tile (on sm_90a the K/V tiles are wgmma operands; elsewhere the slack is unused).
+template <int kHeadDim, int kWarps>
+constexpr size_t kMmaAttentionSmemBytes = MmaShape<kHeadDim, kWarps>::kSmemBytes + kWgmmaTileAlign;
+
 template <typename T, int kHeadDim, int kWarps>
 __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
     using S = MmaShape<kHeadDim, kWarps>;
-    extern __shared__ uint4 mma_smem[];
+    extern __shared__ uint4 mma_smem_raw[];
+    // (offset from the array, not a rebuilt address: the compiler keeps knowing it is shared memory)
+    const uint32_t misalign = static_cast<uint32_t>(__cvta_generic_to_shared(mma_smem_raw)) % kWgmmaTileAlign;
+    uint4 *mma_smem = mma_smem_raw + (misalign ? (kWgmmaTileAlign - misalign) / 16 : 0);
     int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);
-    const int32_t lane = threadIdx.x % 32;
     const int32_t kv_head = blockIdx.y, split = blockIdx.z;
     const int32_t first_row = (gridDim.x - 1 - blockIdx.x) * S::kRows;
 
@@ -129,7 +136,10 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
     const int32_t tile_begin = min(n_tiles, split * tiles_per_split);
     const int32_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
     // The V rows' ldmatrix.trans addresses: key 16 k + ((lane / 8) % 2) * 8 + lane % 8, chunk 2 n + lane / 16.
+#if !CONDUIT_WGMMA
+    const int32_t lane = threadIdx.x % 32;
     const LaneChunks<S::kRowChunks> v_chunks(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
+#endif
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
         const uint4 *v_tile = k_tile + S::kTileChunks;
         const int32_t tile_keys = min(S::kKeys, p.n_tokens - tile * S::kKeys);
@@ -140,7 +150,11 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
         // factor is monotonic) and the scale goes into the exponent's FFMA, 32 multiplies a lane and
         // tile fewer.
         float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
+#if CONDUIT_WGMMA
+        wgmma_scores<T, kHeadDim, S::kKeys>(q_frag, k_tile, s);
+#else
         tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
+#endif
         mask_raw<S::kKeyTiles>(s, view, rows, tile_pos, tile_keys, tile_max);
         tile_max[0] *= p.scale_log2;
         tile_max[1] *= p.scale_log2;
@@ -155,11 +169,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
         }
 
         // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1.
-        const uint4 *v_ptrs[4];
-        v_chunks.pointers(v_tile, v_ptrs);
-#pragma unroll
-        for (int k = 0; k < S::kKeyTiles / 2; ++k) {
-            uint32_t a[4];
+        const auto p_fragment = [&](int k, uint32_t(&a)[4]) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float *sv = s[2 * k + h];
@@ -171,6 +181,19 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
                 a[2 * h] = pack2<T>(sv[0], sv[1]);
                 a[2 * h + 1] = pack2<T>(sv[2], sv[3]);
             }
+        };
+#if CONDUIT_WGMMA
+        uint32_t p_frag[S::kKeyTiles / 2][4];
+#pragma unroll
+        for (int k = 0; k < S::kKeyTiles / 2; ++k) p_fragment(k, p_frag[k]);
+        wgmma_accumulate_pv<T, kHeadDim, S::kKeys>(p_frag, v_tile, acc);
+#else
+        const uint4 *v_ptrs[4];
+        v_chunks.pointers(v_tile, v_ptrs);
+#pragma unroll
+        for (int k = 0; k < S::kKeyTiles / 2; ++k) {
+            uint32_t a[4];
+            p_fragment(k, a);
 #pragma unroll
             for (int n = 0; n < S::kDimTiles / 2; ++n) {
                 uint32_t b[4];
@@ -179,9 +202,10 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
                 mma_m16n8k16<T>(acc[2 * n + 1], a, b[2], b[3]);
             }
         }
+#endif
     };
-    for_each_key_tile<T, kHeadDim, kWarps, true>(p, kv_head, tile_begin, tile_end, max_q_pos, min_q_pos, mma_smem,
-                                                  pos_smem, on_tile);
+    for_each_key_tile<T, kHeadDim, kWarps, true, bool(CONDUIT_WGMMA)>(p, kv_head, tile_begin, tile_end, max_q_pos,
+                                                                      min_q_pos, mma_smem, pos_smem, on_tile);
     store_rows<T, kHeadDim>(p, rows, acc, run_max, run_sum, split);
 }
 
@@ -191,11 +215,13 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
     static constexpr auto kernel = &mma_attention_kernel<T, kHeadDim, kWarps>;
 
     // Launches it for p: row tiles x KV heads x p.n_splits (at least one) CTAs.
+    static constexpr size_t kSmemBytes = kMmaAttentionSmemBytes<kHeadDim, kWarps>;
+
     static void launch(const AttentionParams &p, cudaStream_t stream) {
-        allow_dynamic_smem<kernel>(S::kSmemBytes);
+        allow_dynamic_smem<kernel>(kSmemBytes);
         const dim3 grid{unsigned(mma_attention_base_ctas(p, kWarps) / p.n_kv_heads), unsigned(p.n_kv_heads),
                         unsigned(std::max(p.n_splits, 1))};
-        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, kSmemBytes, stream>>>(p);
         CUDA_CHECK_LAUNCH("mma_attention_kernel");
     }
 
@@ -205,9 +231,9 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
         static std::atomic<int> cached{0};
         int n = cached.load();
         if (n == 0) {
-            allow_dynamic_smem<kernel>(S::kSmemBytes); // the occupancy counts only the smem it is allowed
+            allow_dynamic_smem<kernel>(kSmemBytes); // the occupancy counts only the smem it is allowed
             CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void *>(kernel),
-                                                                     S::kThreads, S::kSmemBytes));
+                                                                     S::kThreads, kSmemBytes));
             n = std::max(n, 1);
             cached.store(n);
         }

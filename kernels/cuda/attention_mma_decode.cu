@@ -75,7 +75,7 @@ __device__ __forceinline__ void load_decode_tile(const AttentionParams &p, const
                                                  bool *visible) {
     using S = DecodeShape<kHeadDim>;
     copy_key_tile<T, kHeadDim, S::kThreads, S::kTileKeys, true>(
-        p, table, kv_head, tile_start, stage,
+        p, TileBlocks<kHeadDim, S::kThreads, S::kTileKeys>(p, table, tile_start, end), kv_head, tile_start, stage,
         [&](int32_t row) {
             const int32_t slot = tile_start + row;
             return slot < end && (!p.positions || p.positions[slot] <= q_position);

@@ -24,6 +24,7 @@
 #include <math_constants.h>
 
 #include "attention_mma.cuh"
+#include "wgmma.cuh"
 
 namespace conduit::kernels::cuda {
 
@@ -85,47 +86,79 @@ __device__ __forceinline__ TileSlots tile_slots(const AttentionParams &p, int32_
     return slots;
 }
 
-// Issues the cp.async copies of one key tile of kKeys slots from tile_start (K rows of kv_head
-// through `table`, and its V rows kKeys * kHeadDim / 8 chunks further when kWithValues; 16-byte
-// chunks, swizzled) into `stage`, kThreads threads sharing the chunks. Rows with seen_row(row) false
-// are zero-filled (past the end, or seen by no query: their K/V may be garbage or NaN, and 0 * NaN
-// would poison P V); on_row(row, seen) is called once per row, by the thread copying its first
-// chunk. The block-table reads (and seen_row's) of all the thread's chunks come first: cp.async's
-// memory clobber would otherwise hold each read behind the previous copy, one cache round trip per
-// chunk. Shared by the tensor-core attention, its statistics and the tensor-core decode.
-template <typename T, int kHeadDim, int kThreads, int kKeys, bool kWithValues, typename SeenRow, typename OnRow>
-__device__ __forceinline__ void copy_key_tile(const AttentionParams &p, const int32_t *table, int32_t kv_head,
-                                              int32_t tile_start, uint4 *stage, SeenRow &&seen_row, OnRow &&on_row) {
-    constexpr int kRowChunks = kHeadDim / 8, kTileChunks = kKeys * kRowChunks;
-    constexpr int kChunksPerThread = kTileChunks / kThreads;
-    const T *pool = static_cast<const T *>(p.pool);
-    const T *k_src[kChunksPerThread];
-    bool seen[kChunksPerThread];
+// The rows of a key tile of kKeys slots that one of kThreads threads copies (kHeadDim / 8 16-byte
+// chunks a row of K or V, shared out in order): rows first_row + i * kRowStride for i < kChunks, the
+// same chunk of each.
+template <int kHeadDim, int kThreads, int kKeys> struct TileRowsOfThread {
+    static constexpr int kRowChunks = kHeadDim / 8;
+    static_assert(kThreads % kRowChunks == 0, "a thread copies the same chunk of every row it takes");
+    static constexpr int kRowStride = kThreads / kRowChunks;
+    static constexpr int kChunks = kKeys * kRowChunks / kThreads;
+    static __device__ __forceinline__ int32_t first_row() { return int32_t(threadIdx.x) / kRowChunks; }
+    static __device__ __forceinline__ int32_t chunk() { return int32_t(threadIdx.x) % kRowChunks; }
+};
+
+// The pool blocks of those rows of the tile at tile_start: block[i] holds row first_row + i * kRowStride
+// (table[slot >> block_shift]; 0 for slots at or past n_slots, which are never read). Loaded apart
+// from the copies so that a loop can read them a tile early, and so that all of a thread's table
+// reads are in flight at once (predicated, not branched around).
+template <int kHeadDim, int kThreads, int kKeys> struct TileBlocks {
+    using Rows = TileRowsOfThread<kHeadDim, kThreads, kKeys>;
+    int32_t block[Rows::kChunks];
+
+    __device__ __forceinline__ TileBlocks(const AttentionParams &p, const int32_t *table, int32_t tile_start,
+                                          int32_t n_slots) {
 #pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * kThreads;
-        const int32_t row = idx / kRowChunks, chunk = idx % kRowChunks;
-        seen[i] = seen_row(row);
-        k_src[i] = seen[i] ? paged_key_chunk<T, kHeadDim>(p, table, kv_head, tile_start + row, chunk) : pool;
+        for (int i = 0; i < Rows::kChunks; ++i) {
+            const int32_t slot = tile_start + Rows::first_row() + i * Rows::kRowStride;
+            block[i] = slot < n_slots ? table[slot >> p.block_shift] : 0;
+        }
     }
+};
+
+// Issues the cp.async copies of one key tile of kKeys slots from tile_start (K rows of kv_head in
+// the pool blocks `blocks` holds, and its V rows kKeys * kHeadDim / 8 chunks further when
+// kWithValues; 16-byte chunks, swizzled) into `stage`, kThreads threads sharing the chunks. Rows with
+// seen_row(row) false are zero-filled (past the end, or seen by no query: their K/V may be garbage or
+// NaN, and 0 * NaN would poison P V); their addresses stay inside the pool (block 0 or a real block)
+// and are not read. on_row(row, seen) is called once per row, by the thread copying its first chunk.
+// The offset inside a block is 32-bit (block_elems < 2^31: attention_params checks). Shared by the
+// tensor-core attention, its statistics and the tensor-core decode.
+template <typename T, int kHeadDim, int kThreads, int kKeys, bool kWithValues, bool kWgmmaLayout = false,
+          typename SeenRow, typename OnRow>
+__device__ __forceinline__ void copy_key_tile(const AttentionParams &p, const TileBlocks<kHeadDim, kThreads, kKeys> &blocks,
+                                              int32_t kv_head, int32_t tile_start, uint4 *stage, SeenRow &&seen_row,
+                                              OnRow &&on_row) {
+    using Rows = TileRowsOfThread<kHeadDim, kThreads, kKeys>;
+    constexpr int kTileChunks = kKeys * Rows::kRowChunks;
+    const T *pool = static_cast<const T *>(p.pool);
+    const int32_t head_row = kv_head << p.block_shift, slot_mask = (1 << p.block_shift) - 1;
+    const uint32_t block_elems = uint32_t(p.block_elems);
+    const int32_t chunk = Rows::chunk();
 #pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-        const int32_t idx = int32_t(threadIdx.x) + i * kThreads;
-        const int32_t row = idx / kRowChunks, chunk = idx % kRowChunks;
-        const int dst = swizzled<kRowChunks>(row, chunk);
-        cp_async16(stage + dst, k_src[i], seen[i]);
-        if constexpr (kWithValues) cp_async16(stage + kTileChunks + dst, seen[i] ? k_src[i] + p.v_delta : pool, seen[i]);
-        if (chunk == 0) on_row(row, seen[i]);
+    for (int i = 0; i < Rows::kChunks; ++i) {
+        const int32_t row = Rows::first_row() + i * Rows::kRowStride;
+        const bool seen = seen_row(row);
+        const int32_t in_block = (head_row + ((tile_start + row) & slot_mask)) * kHeadDim + chunk * 8;
+        // block ids are non-negative: one unsigned 32 x 32 -> 64-bit multiply-add
+        const T *k_src = pool + (uint64_t(uint32_t(blocks.block[i])) * block_elems + uint32_t(in_block));
+        const int dst = kWgmmaLayout ? wgmma_tile_chunk<kKeys, Rows::kRowChunks>(row, chunk)
+                                     : swizzled<Rows::kRowChunks>(row, chunk);
+        cp_async16(stage + dst, k_src, seen);
+        if constexpr (kWithValues) cp_async16(stage + kTileChunks + dst, k_src + p.v_delta, seen);
+        if (chunk == 0) on_row(row, seen);
     }
 }
 
 // The copies of a tile of the tensor-core attention or statistics: the rows slots.seen marks.
-template <typename T, int kHeadDim, int kWarps, bool kWithValues>
-__device__ __forceinline__ void issue_tile_copies(const AttentionParams &p, int32_t kv_head, int32_t tile_start,
-                                                  const TileSlots &slots, uint4 *stage) {
+template <typename T, int kHeadDim, int kWarps, bool kWithValues, bool kWgmmaLayout>
+__device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
+                                                  const TileBlocks<kHeadDim, 32 * kWarps, kMmaTileKeys> &blocks,
+                                                  int32_t kv_head, int32_t tile_start, const TileSlots &slots,
+                                                  uint4 *stage) {
     using S = MmaShape<kHeadDim, kWarps>;
-    copy_key_tile<T, kHeadDim, S::kThreads, S::kKeys, kWithValues>(
-        p, p.block_table, kv_head, tile_start, stage,
+    copy_key_tile<T, kHeadDim, S::kThreads, S::kKeys, kWithValues, kWgmmaLayout>(
+        p, blocks, kv_head, tile_start, stage,
         [&](int32_t row) { return bool(((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u); },
         [](int32_t, bool) {});
 }
@@ -135,9 +168,10 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p, int3
 // see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile some row
 // of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when kWithValues; tile_pos:
 // its kKeys positions). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
-// (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile;
-// pos_smem: kStages * kKeys positions. Call from all threads.
-template <typename T, int kHeadDim, int kWarps, bool kWithValues, typename OnTile>
+// (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile, in
+// the wgmma layout (wgmma.cuh; smem then 1024-byte aligned) when kWgmmaLayout, else swizzled for
+// ldmatrix; pos_smem: kStages * kKeys positions. Call from all threads.
+template <typename T, int kHeadDim, int kWarps, bool kWithValues, bool kWgmmaLayout = false, typename OnTile>
 __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_begin,
                                                   int32_t tile_end, int32_t max_q_pos, int32_t min_q_pos, uint4 *smem,
                                                   int32_t *pos_smem, OnTile &&on_tile) {
@@ -155,14 +189,18 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     // iteration u - kStages, which every warp finished before arriving at the barrier warp 0 had just
     // passed. The K/V copies reuse their stage by the same argument, with each thread's
     // cp.async.wait_group before the barrier in place of program order.
-    const auto start_tile = [&](int32_t tile, LanePositions pos, int stage) {
+    using Blocks = TileBlocks<kHeadDim, S::kThreads, S::kKeys>;
+    const auto blocks_of = [&](int32_t tile) { // none for tiles past the split
+        return Blocks(p, p.block_table, tile * S::kKeys, tile < tile_end ? p.n_tokens : 0);
+    };
+    const auto start_tile = [&](int32_t tile, LanePositions pos, const Blocks &blocks, int stage) {
         const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
         if (threadIdx.x < 32) {
             pos_smem[stage * S::kKeys + lane] = pos.lo;
             pos_smem[stage * S::kKeys + 32 + lane] = pos.hi;
         }
         if (slots.view != kTileHidden)
-            issue_tile_copies<T, kHeadDim, kWarps, kWithValues>(p, kv_head, tile * S::kKeys, slots,
+            issue_tile_copies<T, kHeadDim, kWarps, kWithValues, kWgmmaLayout>(p, blocks, kv_head, tile * S::kKeys, slots,
                                                                 smem + stage * kStageChunks);
         return slots.view;
     };
@@ -173,18 +211,26 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     for (int ahead = 0; ahead < S::kStages - 1; ++ahead) {
         const int32_t tile = tile_begin + ahead;
         if (tile < tile_end)
-            views |= uint32_t(start_tile(tile, lane_positions<S::kKeys>(p, tile, tile_end), ahead)) << (2 * ahead);
+            views |= uint32_t(start_tile(tile, lane_positions<S::kKeys>(p, tile, tile_end), blocks_of(tile), ahead))
+                     << (2 * ahead);
         cp_async_commit(); // one group per tile, empty or not: wait_group counts them
     }
+    // The positions and pool blocks of the next tile to start are read a tile early: they land during
+    // a tile's compute instead of stalling the copies after the barrier.
     LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + S::kStages - 1, tile_end);
+    Blocks blocks_ahead = blocks_of(tile_begin + S::kStages - 1);
     int stage = 0, free_stage = S::kStages - 1; // tile's stage; the stage of tile - 1 (tile + kStages - 1's)
     for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
         cp_async_wait<S::kStages - 2>(); // this thread's copies of tile are done
+#if CONDUIT_WGMMA
+        if constexpr (kWgmmaLayout) fence_async_shared(); // and visible to wgmma's reads
+#endif
         __syncthreads();                 // everyone's are; and every warp is done with tile - 1
         const int32_t ahead = tile + S::kStages - 1;
         if (ahead < tile_end) {
-            views |= uint32_t(start_tile(ahead, pos_ahead, free_stage)) << (2 * (S::kStages - 1));
-            pos_ahead = lane_positions<S::kKeys>(p, ahead + 1, tile_end); // lands during this tile's compute
+            views |= uint32_t(start_tile(ahead, pos_ahead, blocks_ahead, free_stage)) << (2 * (S::kStages - 1));
+            pos_ahead = lane_positions<S::kKeys>(p, ahead + 1, tile_end); // land during this tile's compute
+            blocks_ahead = blocks_of(ahead + 1);
         }
         cp_async_commit();
         const TileView view = TileView(views & 3u);

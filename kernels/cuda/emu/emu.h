@@ -149,6 +149,8 @@ inline unsigned atomicAdd(unsigned *address, unsigned value) {
 
 // Blocks run one after another, so every earlier write is already visible.
 inline void __threadfence() {}
+// The shared-memory address of a pointer: here its host address (only its alignment is ever used).
+inline size_t __cvta_generic_to_shared(const void *p) { return reinterpret_cast<uintptr_t>(p); }
 template <typename T> T __ldcg(const T *address) { return *address; }
 
 namespace conduit::kernels::cuda {
