@@ -163,45 +163,29 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
         [](int32_t, bool) {});
 }
 
-// Narrows the key tiles [tile_begin, tile_end) to those from the first to the last holding a slot the
-// CTA's latest query (max_q_pos) sees; empty when none does. Why: in a causal prefill chunk a CTA's
-// queries see only a prefix of the keys, and every tile past it still cost the loop a barrier, the
-// positions' round trip and the votes, half the loop's iterations on a 4K chunk (Nsight Compute on
-// an H200). The scan reads 4 bytes a slot, coalesced, all in flight at once, against the 2 *
-// head_dim * 2 bytes a visible slot streams. Call from all threads (kWarps warps).
+// The end of the key tiles [tile_begin, tile_end) that the CTA needs: one past the last tile holding
+// a slot its latest query (max_q_pos) sees (tile_begin when none does). Why: in a causal prefill
+// chunk, and in CONDUIT's recompute, a CTA's queries see only a prefix of the keys, and every tile
+// past it still cost the loop a barrier, the positions' round trip and the votes: half the loop's
+// iterations on a 4K chunk (Nsight Compute on an H200). The scan reads 4 bytes a slot, coalesced,
+// against the 2 * head_dim * 2 bytes a visible slot streams, and runs while the loop's first tiles
+// load. Call from all threads (kWarps warps).
 template <int kWarps, int kKeys>
-__device__ __forceinline__ void trim_tiles_to_visible(const AttentionParams &p, int32_t max_q_pos, int32_t &tile_begin,
-                                                      int32_t &tile_end) {
-    __shared__ int32_t warp_first[kWarps], warp_last[kWarps];
-    const int32_t begin = tile_begin * kKeys, end = min(tile_end * kKeys, p.n_tokens);
-    int32_t first = INT32_MAX, last = -1;
+__device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, int32_t max_q_pos, int32_t tile_begin,
+                                                    int32_t tile_end) {
+    __shared__ int32_t warp_last[kWarps];
+    const int32_t end = min(tile_end * kKeys, p.n_tokens);
+    int32_t last = -1;
 #pragma unroll 4
-    for (int32_t slot = begin + int32_t(threadIdx.x); slot < end; slot += 32 * kWarps)
-        if (p.positions[slot] <= max_q_pos) {
-            first = min(first, slot);
-            last = slot;
-        }
+    for (int32_t slot = tile_begin * kKeys + int32_t(threadIdx.x); slot < end; slot += 32 * kWarps)
+        if (p.positions[slot] <= max_q_pos) last = slot;
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-        first = min(first, __shfl_xor_sync(0xffffffffu, first, offset));
-        last = max(last, __shfl_xor_sync(0xffffffffu, last, offset));
-    }
-    if (threadIdx.x % 32 == 0) {
-        warp_first[threadIdx.x / 32] = first;
-        warp_last[threadIdx.x / 32] = last;
-    }
+    for (int offset = 16; offset > 0; offset /= 2) last = max(last, __shfl_xor_sync(0xffffffffu, last, offset));
+    if (threadIdx.x % 32 == 0) warp_last[threadIdx.x / 32] = last;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-        first = min(first, warp_first[w]);
-        last = max(last, warp_last[w]);
-    }
-    if (last < 0) {
-        tile_end = tile_begin;
-    } else {
-        tile_begin = first / kKeys;
-        tile_end = last / kKeys + 1;
-    }
+    for (int w = 0; w < kWarps; ++w) last = max(last, warp_last[w]);
+    return last < 0 ? tile_begin : last / kKeys + 1;
 }
 
 // Streams the key tiles [tile_begin, tile_end) of one KV head through a ring of MmaShape::kStages
@@ -219,7 +203,6 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     using S = MmaShape<kHeadDim, kWarps>;
     constexpr int kStageChunks = kWithValues ? S::kStageChunks : S::kTileChunks;
     const int32_t lane = threadIdx.x % 32;
-    trim_tiles_to_visible<kWarps, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
     // Decides what the tile shows the CTA, stores its positions in the stage's slot (warp 0: the
     // mask reads them) and, unless it is hidden, issues its copies into the stage.
     //
@@ -257,6 +240,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
                      << (2 * ahead);
         cp_async_commit(); // one group per tile, empty or not: wait_group counts them
     }
+    tile_end = visible_tile_end<kWarps, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
     // The positions and pool blocks of the next tile to start are read a tile early: they land during
     // a tile's compute instead of stalling the copies after the barrier.
     LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + S::kStages - 1, tile_end);
@@ -281,6 +265,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
         free_stage = stage;
         stage = stage + 1 == S::kStages ? 0 : stage + 1;
     }
+    cp_async_wait<0>(); // tiles started before visible_tile_end cut the range may still be landing
 }
 
 
