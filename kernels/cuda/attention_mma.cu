@@ -1,5 +1,11 @@
-// attention_mma.cu: FlashAttention-2-style attention on tensor cores (mma.sync m16n8k16, sm_80+)
-// for bf16/f16 layers with head_dim 64 or 128 and many queries (prefill chunks, CONDUIT recompute).
+// attention_mma.cu: FlashAttention-2-style attention on tensor cores for bf16/f16 layers with
+// head_dim 64 or 128 and many queries (prefill chunks, CONDUIT recompute): mma.sync m16n8k16 on
+// sm_80+, and on sm_90a (Hopper built as 90a) the two products of a key tile as warpgroup MMAs
+// (wgmma.cuh: each 4-warp group of the CTA is one 64-row wgmma tile; K and V read from shared memory
+// by the tensor core, Q and P from registers). Measured on an H200 against the mma.sync build of the
+// same tree (docs/benchmarks/runs.md, tenth session): a 4K prefill chunk 628 -> 534 us, CONDUIT's
+// recompute 402 -> 346 us (GQA) and 212 -> 182 us (MHA). Everything else (rows, tiles, softmax,
+// masks, splits) is the same code on both.
 //
 // Rows are (query, head) pairs of one KV head: row r = query r / group, head r % group of the
 // group, so each K/V tile in shared memory serves every query head of the group. Grid: x = tile of
@@ -18,11 +24,11 @@
 //      with the tensor pipe idle in between); each warp decides from the tile's positions, with warp
 //      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no
 //      row can see is zero-filled (its K/V may be garbage or NaN and must not reach the arithmetic).
-//   3. S = Q K^T (ldmatrix from the swizzled K tile), masked per element by position
+//   3. S = Q K^T (ldmatrix from the swizzled K tile, or one wgmma per 16 dims), masked per element by position
 //      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA
 //      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),
 //      online softmax in fp32, base 2; O += P V with P re-packed from the S accumulators into A
-//      fragments and V read with ldmatrix.trans.
+//      fragments and V read with ldmatrix.trans (or by a wgmma per 16 keys, V transposed).
 // A row that sees no key (of its split) writes zeros and lse = -inf. The key-tile loop, the Q
 // fragments and S = Q K^T live in attention_mma_tile.cuh, shared with the first pass of
 // attention_stats_mma.cu.
@@ -70,31 +76,6 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
             }
             if (p.lse && t == 0) p.lse[rows.out_row[r]] = lse;
         }
-    }
-}
-
-// scale_and_mask without the scaling: sets the scores of slots a row cannot see to -inf (unless the
-// tile is open) and returns the lane's max of each row (g, g + 8) of the raw scores in tile_max.
-template <int kKeyTiles>
-__device__ __forceinline__ void mask_raw(float (&s)[kKeyTiles][4], TileView view, const WarpRows &rows,
-                                         const int32_t *tile_pos, int32_t tile_keys, float (&tile_max)[2]) {
-    const int32_t t = threadIdx.x % 4;
-    tile_max[0] = tile_max[1] = -CUDART_INF_F;
-    if (view == kTileMasked) {
-#pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = j / 2, key = 8 * n + 2 * t + j % 2;
-                const bool seen = rows.valid[r] && key < tile_keys && tile_pos[key] <= rows.q_pos[r];
-                s[n][j] = seen ? s[n][j] : -CUDART_INF_F;
-                tile_max[r] = fmaxf(tile_max[r], s[n][j]);
-            }
-    } else {
-#pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) tile_max[j / 2] = fmaxf(tile_max[j / 2], s[n][j]);
     }
 }
 
@@ -155,7 +136,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
 #else
         tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
 #endif
-        mask_raw<S::kKeyTiles>(s, view, rows, tile_pos, tile_keys, tile_max);
+        mask_tile<S::kKeyTiles, false>(s, view, rows, tile_pos, tile_keys, 0.0f, tile_max);
         tile_max[0] *= p.scale_log2;
         tile_max[1] *= p.scale_log2;
         rescale_running(tile_max, run_max, run_sum, ref, alpha);

@@ -4,7 +4,8 @@
 // tile with its causal mask. Sharing them is what keeps the two kernels' scores bit-identical.
 //
 // The key-tile loop (for_each_key_tile) is a ring of kStages shared-memory stages with ONE CTA
-// barrier per tile. Per tile t:
+// barrier per tile. After the first tiles start, the CTA scans the keys' positions once and stops at
+// the last tile its latest query sees (visible_tile_end). Per tile t:
 //   wait for t's copies (cp.async.wait_group kStages - 2), __syncthreads, issue the copies of tile
 //   t + kStages - 1 into the stage tile t - 1 used, commit, compute t.
 // The barrier does two jobs at once: it publishes t's stage (every thread's copies of it are done)
@@ -19,6 +20,10 @@
 // scheduler). One barrier lets warps drift apart by up to a tile, and two tiles in flight give the
 // copies a whole tile's compute more to land. Measured against the earlier loop on an H200 (same run,
 // docs/benchmarks/prefill_attention/): 7-12% more TFLOP/s on every shape, bit-identical results.
+// A tile's copies take their pool block ids from registers loaded a tile early (TileBlocks), so that
+// no table read stalls the copies after the barrier: with the reads done per chunk, each behind a
+// branch, the copies cost four cache round trips a tile (a 4K chunk 691 -> 628 us, CONDUIT's
+// recompute 503 -> 402 us on an H200, tenth session).
 #pragma once
 
 #include <math_constants.h>
@@ -208,7 +213,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     //
     // Ordering of the positions (plain shared-memory stores, ordered by the loop's one barrier):
     // tile u's are stored by warp 0 right after the barrier of iteration u - kStages + 1 (the first
-    // kStages - 1 tiles: before the first barrier) and read by scale_and_mask in iteration u, after
+    // kStages - 1 tiles: before the first barrier) and read by mask_tile in iteration u, after
     // that iteration's barrier, which warp 0 reaches only after its stores: every warp reads them
     // written. The slot they overwrite held tile u - kStages's, read last in the compute of
     // iteration u - kStages, which every warp finished before arriving at the barrier warp 0 had just
@@ -410,13 +415,14 @@ __device__ __forceinline__ void tile_scores(const uint32_t (&q_frag)[kHeadDim / 
         }
 }
 
-// Scales a tile's scores to base 2 (times scale_log2) and, unless the tile is open (every slot visible
-// to every row), sets the scores of slots a row cannot see to -inf; returns the lane's max of each row
-// (g, g + 8) in tile_max.
-template <int kKeyTiles>
-__device__ __forceinline__ void scale_and_mask(float (&s)[kKeyTiles][4], TileView view, const WarpRows &rows,
-                                               const int32_t *tile_pos, int32_t tile_keys, float scale_log2,
-                                               float (&tile_max)[2]) {
+// Unless the tile is open (every slot visible to every row), sets the scores of slots a row cannot
+// see to -inf; with kScale, first scales the others to base 2 (times scale_log2). Returns the lane's
+// max of each row (g, g + 8) in tile_max. Without kScale the maxima are those of the raw scores: the
+// attention folds the scale into its exponent (a positive factor keeps the maxima's order and bits).
+template <int kKeyTiles, bool kScale>
+__device__ __forceinline__ void mask_tile(float (&s)[kKeyTiles][4], TileView view, const WarpRows &rows,
+                                          const int32_t *tile_pos, int32_t tile_keys, float scale_log2,
+                                          float (&tile_max)[2]) {
     const int32_t t = threadIdx.x % 4;
     tile_max[0] = tile_max[1] = -CUDART_INF_F;
     if (view == kTileMasked) {
@@ -426,7 +432,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kKeyTiles][4], TileVie
             for (int j = 0; j < 4; ++j) {
                 const int r = j / 2, key = 8 * n + 2 * t + j % 2;
                 const bool seen = rows.valid[r] && key < tile_keys && tile_pos[key] <= rows.q_pos[r];
-                s[n][j] = seen ? s[n][j] * scale_log2 : -CUDART_INF_F;
+                s[n][j] = seen ? (kScale ? s[n][j] * scale_log2 : s[n][j]) : -CUDART_INF_F;
                 tile_max[r] = fmaxf(tile_max[r], s[n][j]);
             }
     } else {
@@ -434,7 +440,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kKeyTiles][4], TileVie
         for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                s[n][j] *= scale_log2;
+                if (kScale) s[n][j] *= scale_log2;
                 tile_max[j / 2] = fmaxf(tile_max[j / 2], s[n][j]);
             }
     }

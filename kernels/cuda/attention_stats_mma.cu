@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads)
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
         float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
         tile_scores<T, kHeadDim, S::kWarps>(q_frag, k_tile, s);
-        scale_and_mask<S::kKeyTiles>(s, view, rows, tile_pos, min(S::kKeys, p.n_tokens - tile * S::kKeys),
+        mask_tile<S::kKeyTiles, true>(s, view, rows, tile_pos, min(S::kKeys, p.n_tokens - tile * S::kKeys),
                                      p.scale_log2, tile_max);
         rescale_running(tile_max, run_max, run_sum, ref, alpha);
 #pragma unroll

@@ -67,10 +67,6 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 // proxy that wgmma reads through; then a barrier publishes them to the warpgroup.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-template <typename T> struct WgmmaType;
-template <> struct WgmmaType<__nv_bfloat16> { static constexpr const char *name = "bf16"; };
-template <> struct WgmmaType<__half> { static constexpr const char *name = "f16"; };
-
 #define CONDUIT_WGMMA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
                             "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define CONDUIT_WGMMA_D32(i) CONDUIT_WGMMA_D8(i), CONDUIT_WGMMA_D8(i + 8), CONDUIT_WGMMA_D8(i + 16), CONDUIT_WGMMA_D8(i + 24)
@@ -79,56 +75,35 @@ template <> struct WgmmaType<__half> { static constexpr const char *name = "f16"
 // kTransB: B is MN-major (N contiguous). kAccumulate false ignores d's input.
 template <typename T, int kN, bool kTransB, bool kAccumulate> struct WgmmaRS;
 
-
-
-template <bool kTransB, bool kAccumulate> struct WgmmaRS<__nv_bfloat16, 64, kTransB, kAccumulate> {
-    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%33, %34, %35, %36}, %37, p, 1, 1, %38;\n}\n"
-                     : CONDUIT_WGMMA_D32(0)
-                     : "n"(int(kAccumulate)), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(kTransB)));
-    }
-};
-template <bool kTransB, bool kAccumulate> struct WgmmaRS<__half, 64, kTransB, kAccumulate> {
-    static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %32, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                     "{%33, %34, %35, %36}, %37, p, 1, 1, %38;\n}\n"
-                     : CONDUIT_WGMMA_D32(0)
-                     : "n"(int(kAccumulate)), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(kTransB)));
-    }
-};
-template <bool kTransB, bool kAccumulate> struct WgmmaRS<__nv_bfloat16, 128, kTransB, kAccumulate> {
-    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %64, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                     "{%65, %66, %67, %68}, %69, p, 1, 1, %70;\n}\n"
-                     : CONDUIT_WGMMA_D32(0), CONDUIT_WGMMA_D32(32)
-                     : "n"(int(kAccumulate)), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(kTransB)));
-    }
-};
-template <bool kTransB, bool kAccumulate> struct WgmmaRS<__half, 128, kTransB, kAccumulate> {
-    static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %64, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                     "{%65, %66, %67, %68}, %69, p, 1, 1, %70;\n}\n"
-                     : CONDUIT_WGMMA_D32(0), CONDUIT_WGMMA_D32(32)
-                     : "n"(int(kAccumulate)), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(kTransB)));
-    }
-};
+// One specialization per (type, N): the asm's operand numbers follow the N / 2 accumulators.
+#define CONDUIT_WGMMA_RS(TYPE, PTX_TYPE, N, SETP, D_REGS, TAIL, ...)                                              \
+    template <bool kTransB, bool kAccumulate> struct WgmmaRS<TYPE, N, kTransB, kAccumulate> {                    \
+        static __device__ __forceinline__ void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {      \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SETP ", 0;\n"                                        \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " {" D_REGS "}, " \
+                         TAIL ";\n}\n"                                                                            \
+                         : __VA_ARGS__                                                                            \
+                         : "n"(int(kAccumulate)), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b),              \
+                           "n"(int(kTransB)));                                                                    \
+        }                                                                                                         \
+    };
+#define CONDUIT_WGMMA_REGS32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CONDUIT_WGMMA_REGS64 CONDUIT_WGMMA_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+                             "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define CONDUIT_WGMMA_TAIL32 "{%33, %34, %35, %36}, %37, p, 1, 1, %38"
+#define CONDUIT_WGMMA_TAIL64 "{%65, %66, %67, %68}, %69, p, 1, 1, %70"
+CONDUIT_WGMMA_RS(__nv_bfloat16, "bf16", 64, "%32", CONDUIT_WGMMA_REGS32, CONDUIT_WGMMA_TAIL32, CONDUIT_WGMMA_D32(0))
+CONDUIT_WGMMA_RS(__half, "f16", 64, "%32", CONDUIT_WGMMA_REGS32, CONDUIT_WGMMA_TAIL32, CONDUIT_WGMMA_D32(0))
+CONDUIT_WGMMA_RS(__nv_bfloat16, "bf16", 128, "%64", CONDUIT_WGMMA_REGS64, CONDUIT_WGMMA_TAIL64, CONDUIT_WGMMA_D32(0),
+                 CONDUIT_WGMMA_D32(32))
+CONDUIT_WGMMA_RS(__half, "f16", 128, "%64", CONDUIT_WGMMA_REGS64, CONDUIT_WGMMA_TAIL64, CONDUIT_WGMMA_D32(0),
+                 CONDUIT_WGMMA_D32(32))
+#undef CONDUIT_WGMMA_TAIL64
+#undef CONDUIT_WGMMA_TAIL32
+#undef CONDUIT_WGMMA_REGS64
+#undef CONDUIT_WGMMA_REGS32
+#undef CONDUIT_WGMMA_RS
 #undef CONDUIT_WGMMA_D32
 #undef CONDUIT_WGMMA_D8
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+set -uo pipefail
+out="${OUT:-/tmp/conduit-gpu}"; work=/tmp/c24; rm -rf "$work"; mkdir -p "$out" "$work"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/gpu.txt"
+timeout 200 python3 tools/ab_builds.py run --prefill --rounds 3 --out "$work/ab_prefill.json" > "$work/ab.log" 2>&1; echo "ab rc=$?"; tail -4 "$work/ab.log"
+tar czf "$out/c24.tgz" -C "$work" .
+export CONDUIT_LIB=/tmp/ab-build-trim/libconduit.so
+timeout 60 python3 .ab/wg_probe.py > "$work/probe.log" 2>&1; tail -2 "$work/probe.log"
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$work/tests.log" 2>&1; echo "tests rc=$?"; tail -3 "$work/tests.log"
+tar czf "$out/c24.tgz" -C "$work" .
+timeout 200 python3 -m conduit_rt.bench --out "$work/bench" > "$work/bench.log" 2>&1; echo "bench rc=$?"; tail -30 "$work/bench.log"
+tar czf "$out/c24.tgz" -C "$work" .
