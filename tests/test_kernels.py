@@ -96,6 +96,41 @@ def test_attention_of_few_queries_over_many_keys_matches_the_reference(dtype, n_
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def check_long_chunk(device: str, dtype: torch.dtype, head_dim: int, layout: str) -> None:
+    """A prefill chunk of 1200 queries over its own 1200 keys, GQA 32 / 8: 304 CTAs of 128 rows, enough
+    for the tensor-core attention's 8-warp CTAs (two wgmma warpgroups each on Hopper) on a GPU of up
+    to 152 SMs. ``causal``: keys at positions 0..n-1 in slot order (most tiles open, the CTAs' key
+    ranges cut after their last query); ``shuffled``: the same positions in random slots (every tile
+    masked per element, visible slots anywhere in the range)."""
+    n, n_kv_heads, group = 1200, 8, 4
+    gen = torch.Generator().manual_seed(head_dim + (layout == "shuffled"))
+    arena = KVArena(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device, block_size=16,
+                    kv_bytes=64 << 20)
+    seq = arena.new_sequence()
+    k_pos = torch.arange(n, dtype=torch.int32) if layout == "causal" else torch.randperm(n, generator=gen).to(torch.int32)
+    seq.append(k_pos)
+    k = rand((n, n_kv_heads, head_dim), dtype, device, gen)
+    v = rand((n, n_kv_heads, head_dim), dtype, device, gen)
+    seq.write_kv(0, k, v)
+    q = rand((n, n_kv_heads * group, head_dim), dtype, device, gen)
+    q_pos = torch.arange(n, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    out, lse = seq.attention(0, q, q_pos.to(device), scale, return_lse=True)
+
+    ref_out, ref_lse = reference.attention(q, k, v, q_pos, k_pos, scale)  # float64, on the device
+    torch.testing.assert_close(out.double(), ref_out, atol=TOL[dtype] / 10, rtol=TOL[dtype])
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", ["causal", "shuffled"])
+def test_attention_of_a_long_prefill_chunk_matches_the_reference(dtype, head_dim, layout):
+    check_long_chunk("cuda", dtype, head_dim, layout)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_of_a_query_that_sees_nothing_is_zero_with_lse_minus_inf(device, dtype):
     arena = make_arena(device, dtype, 2, 64, 16)

@@ -1,6 +1,7 @@
-// attention_mma.cuh: the tensor-core (mma.sync m16n8k16) attention path for many queries: the warp
-// primitives it uses (ldmatrix, mma, bf16/f16 packing), its tile geometry and the host entry point
-// attention.cu dispatches to. Kernel: attention_mma.cu.
+// attention_mma.cuh: the tensor-core attention path for many queries: the warp primitives it uses
+// (ldmatrix, mma.sync m16n8k16, bf16/f16 packing; on sm_90a the two products are wgmma instead:
+// wgmma.cuh), its tile geometry and the host entry point attention.cu dispatches to. Kernel:
+// attention_mma.cu.
 //
 // The emulator (emu/emu.h) supplies scalar models of ldmatrix_x4, ldmatrix_x4_trans and
 // mma_m16n8k16 with the same fragment layouts, so the kernel can be checked on a CPU.

@@ -1,7 +1,9 @@
 // attention_mma_tile.cuh: the pieces of a tensor-core key-tile loop that the attention kernel
 // (attention_mma.cu) and the first pass of the attention statistics (attention_stats_mma.cu) share:
 // gathering a key tile from the paged pool, the warp's rows and Q fragments, and S = Q K^T of one
-// tile with its causal mask. Sharing them is what keeps the two kernels' scores bit-identical.
+// tile (mma.sync) with its causal mask. The statistics' two passes both use tile_scores, which keeps
+// their scores bit-identical; the attention's scores may differ from them in the last bits (on
+// sm_90a its S is a wgmma, and it scales inside the exponent).
 //
 // The key-tile loop (for_each_key_tile) is a ring of kStages shared-memory stages with ONE CTA
 // barrier per tile. After the first tiles start, the CTA scans the keys' positions once and stops at
@@ -270,7 +272,8 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
         free_stage = stage;
         stage = stage + 1 == S::kStages ? 0 : stage + 1;
     }
-    cp_async_wait<0>(); // tiles started before visible_tile_end cut the range may still be landing
+    cp_async_wait<0>(); // nothing is in flight here (tiles past the trimmed end hold no visible slot,
+                        // so they issued no copies): a guard should that change
 }
 
 

@@ -45,7 +45,7 @@ constexpr int kWgmmaTileAlign = 1024;
 
 // The 16-byte chunk index of (row, chunk) in a tile of kKeys rows and kRowChunks chunks a row, laid
 // out for wgmma (see above).
-template <int kKeys, int kRowChunks> __host__ __device__ __forceinline__ int wgmma_tile_chunk(int row, int chunk) {
+template <int kKeys, int kRowChunks> __device__ __forceinline__ int wgmma_tile_chunk(int row, int chunk) {
     static_assert(kRowChunks % 8 == 0, "rows of whole 128-byte blocks");
     return (chunk >> 3) * (kKeys * 8) + row * 8 + ((chunk & 7) ^ (row & 7));
 }
@@ -63,6 +63,12 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const void *smem, uint32_t 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// After a wait: tells the compiler that the accumulators change here, so that no read of them is
+// scheduled before the wait (the wait's asm names no registers; ptxas alone orders them otherwise).
+template <int kN> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 // Makes this thread's generic-proxy shared-memory writes (cp.async, stores) visible to the async
 // proxy that wgmma reads through; then a barrier publishes them to the warpgroup.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -115,6 +121,8 @@ __device__ __forceinline__ void wgmma_scores(const uint32_t (&q_frag)[kHeadDim /
                                              float (&s)[kKeys / 8][4]) {
     static_assert(kKeys == 64, "S tiles of 64 keys");
     float(&d)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(s);
+#pragma unroll
+    for (int i = 0; i < kKeys / 2; ++i) d[i] = 0.0f; // (the first product ignores them: not read indeterminate)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -124,6 +132,7 @@ __device__ __forceinline__ void wgmma_scores(const uint32_t (&q_frag)[kHeadDim /
     }
     wgmma_commit();
     wgmma_wait_all();
+    wgmma_fence_operands(d);
 }
 
 // O (this thread's kHeadDim / 2 floats, acc[n][j] as S's) += P V over kKeys keys: p_frag[k] are P's
@@ -140,6 +149,7 @@ __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKe
     }
     wgmma_commit();
     wgmma_wait_all();
+    wgmma_fence_operands(d);
 }
 #endif // CONDUIT_WGMMA
 
