@@ -4,7 +4,8 @@
 // attention_mma.cu.
 //
 // The emulator (emu/emu.h) supplies scalar models of ldmatrix_x4, ldmatrix_x4_trans and
-// mma_m16n8k16 with the same fragment layouts, so the kernel can be checked on a CPU.
+// mma_m16n8k16 with the same fragment layouts, so the kernel can be checked on a CPU; and of wgmma
+// (emu::wgmma_rs) for the sm_90a path, built with -D CONDUIT_EMU_WGMMA=1.
 #pragma once
 
 #include <cstdlib>

@@ -31,8 +31,12 @@
 #include <cstdint>
 
 // The wgmma path exists in device code built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a);
-// CONDUIT_NO_WGMMA=1 at build time keeps mma.sync there too, for A/B runs.
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && !CONDUIT_NO_WGMMA
+// CONDUIT_NO_WGMMA=1 at build time keeps mma.sync there too, for A/B runs. The CPU emulator
+// (emu/) runs it with CONDUIT_EMU_WGMMA=1 (`run_emu.py -D CONDUIT_EMU_WGMMA=1`), on its scalar model
+// of the instruction, synchronously: it checks the layouts and the indexing, not the async ordering.
+#if defined(CONDUIT_CUDA_EMULATION)
+#define CONDUIT_WGMMA (CONDUIT_EMU_WGMMA + 0)
+#elif defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && !CONDUIT_NO_WGMMA
 #define CONDUIT_WGMMA 1
 #else
 #define CONDUIT_WGMMA 0
@@ -59,6 +63,7 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const void *smem, uint32_t 
            (uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+#ifndef CONDUIT_CUDA_EMULATION
 // Orders this thread's earlier register writes (accumulators, A fragments) before the wgmma that follow.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -112,6 +117,18 @@ CONDUIT_WGMMA_RS(__half, "f16", 128, "%64", CONDUIT_WGMMA_REGS64, CONDUIT_WGMMA_
 #undef CONDUIT_WGMMA_RS
 #undef CONDUIT_WGMMA_D32
 #undef CONDUIT_WGMMA_D8
+#else  // the emulator: one synchronous model (emu::wgmma_rs), nothing to order
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+inline void wgmma_wait_all() {}
+inline void fence_async_shared() {}
+template <int kN> void wgmma_fence_operands(float (&)[kN]) {}
+template <typename T, int kN, bool kTransB, bool kAccumulate> struct WgmmaRS {
+    static void run(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t b) {
+        emu::wgmma_rs(d, kN, a, b, kAccumulate, kTransB, std::is_same_v<T, __nv_bfloat16>);
+    }
+};
+#endif // CONDUIT_CUDA_EMULATION
 
 // S (this thread's 32 floats of the 64 x 64 tile, as s[n][j]: keys 8n + 2t + j % 2, row g + 8 (j / 2))
 // = Q K^T over kHeadDim dims: q_frag[kk] are Q's A fragments of dims 16 kk.., k_tile the K tile in

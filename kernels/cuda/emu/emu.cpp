@@ -111,9 +111,16 @@ class GuardedShared {
     unsigned char *base_ = nullptr;
 };
 
+// A warpgroup's collective state (wgmma): its barrier and each thread's A fragment.
+struct Warpgroup {
+    Barrier barrier;
+    uint32_t a[128][4] = {};
+};
+
 struct Block {
     Barrier barrier;
     std::vector<Warp> warps;
+    std::vector<Warpgroup> warpgroups;
     std::vector<unsigned char> flags; // one per thread, for block_any
     unsigned char *dynamic = nullptr; // the launch's GuardedShared, refilled for each block
 };
@@ -220,6 +227,49 @@ void mma_m16n8k16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1, bool bf
     }
 }
 
+size_t shared_offset(const void *p) {
+    return size_t(static_cast<const unsigned char *>(p) - g_current->thread.block->dynamic);
+}
+
+// wgmma.m64nNk16, A from registers. The warpgroup's A fragments are gathered (warp w holds rows
+// 16 w.., laid out as mma.m16n8k16's A); B element (k, n) is read at its canonical offset from the
+// descriptor's start (K-major: 8-row groups of n SBO apart, 128-byte rows of k; MN-major: 8-row
+// groups of k SBO apart, 128-byte rows of n, 64-column blocks of n LBO apart), then the 128-byte
+// swizzle: bits 4-6 of the offset XOR bits 7-9.
+void wgmma_rs(float *d, int n, const uint32_t *a, uint64_t desc, bool accumulate, bool trans_b, bool bf16) {
+    Block &block = *g_current->thread.block;
+    const int linear = g_current->thread.linear;
+    Warpgroup &group = block.warpgroups[size_t(linear / 128)];
+    if (group.barrier.count != 128 || (desc >> 62) != 1) {
+        std::fprintf(stderr, "emu: wgmma needs a whole warpgroup and the 128-byte swizzle\n");
+        std::abort();
+    }
+    std::memcpy(group.a[linear % 128], a, sizeof(group.a[0]));
+    arrive(group.barrier, "wgmma");
+    const size_t start = size_t(desc & 0x3FFF) << 4, lbo = size_t((desc >> 16) & 0x3FFF) << 4,
+                 sbo = size_t((desc >> 32) & 0x3FFF) << 4;
+    auto a_at = [&](int r, int k) {
+        const uint32_t reg = group.a[(r / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r % 16) / 8 + 2 * (k / 8)];
+        return half_bits_to_float(k % 2 ? reg >> 16 : reg & 0xffffu, bf16);
+    };
+    auto b_at = [&](int k, int col) {
+        size_t offset = trans_b ? start + size_t(k / 8) * sbo + size_t(k % 8) * 128 + size_t(col / 64) * lbo + size_t(col % 64) * 2
+                                : start + size_t(col / 8) * sbo + size_t(col % 8) * 128 + size_t(k) * 2;
+        offset ^= ((offset >> 7) & 7) << 4;
+        uint16_t v;
+        std::memcpy(&v, block.dynamic + offset, 2);
+        return half_bits_to_float(v, bf16);
+    };
+    const int warp = (linear / 32) % 4, lane = linear % 32;
+    for (int j = 0; j < n / 2; ++j) {
+        const int r = 16 * warp + lane / 4 + 8 * ((j % 4) / 2), col = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
+        double sum = 0.0;
+        for (int k = 0; k < 16; ++k) sum += double(a_at(r, k)) * double(b_at(k, col));
+        d[j] = accumulate ? float(double(d[j]) + sum) : float(sum);
+    }
+    arrive(group.barrier, "wgmma"); // every thread has read the fragments before the next call writes them
+}
+
 void cp_async(void *dst, const void *src, int bytes, bool pred) { g_current->open.push_back({dst, src, bytes, pred}); }
 void cp_commit() {
     g_current->groups.push_back(std::move(g_current->open));
@@ -267,6 +317,9 @@ void launch_blocks(dim3 grid, dim3 block, size_t smem, void (*run)(void *), void
         state.flags.assign(size_t(threads), 0);
         state.warps.resize(size_t((threads + 31) / 32));
         for (size_t w = 0; w < state.warps.size(); ++w) state.warps[w].barrier.count = std::min(32, threads - 32 * int(w));
+        state.warpgroups.resize(size_t((threads + 127) / 128));
+        for (size_t g = 0; g < state.warpgroups.size(); ++g)
+            state.warpgroups[g].barrier.count = std::min(128, threads - 128 * int(g));
         for (int t = 0; t < threads; ++t) {
             Fiber &f = fibers[size_t(t)];
             if (!f.stack) f.stack.reset(new char[kStackBytes]);

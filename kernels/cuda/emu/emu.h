@@ -70,6 +70,14 @@ bool block_any(bool mine);
 // Scalar models of the warp-wide tensor-core instructions (fragment layouts of the PTX ISA).
 void ldmatrix_x4(uint32_t *r, const void *smem, bool trans);
 void mma_m16n8k16(float *d, const uint32_t *a, uint32_t b0, uint32_t b1, bool bf16);
+// The offset of p in the block's dynamic shared memory: what the kernels' shared-window addresses
+// (__cvta_generic_to_shared) stand for here; the wgmma descriptors hold such offsets.
+size_t shared_offset(const void *p);
+// wgmma.mma_async.m64nNk16 with A in registers, run synchronously by the warpgroup (128 threads, a
+// collective like the warp ones): d (this thread's n / 2 floats) = [d +] A (64 x 16: each warp's 16
+// rows as mma.m16n8k16's A fragments) * B (16 x n, read through `desc`: 128-byte swizzle, K-major
+// or, with trans_b, MN-major, as the PTX ISA's canonical layouts).
+void wgmma_rs(float *d, int n, const uint32_t *a, uint64_t desc, bool accumulate, bool trans_b, bool bf16);
 
 extern int g_smem_limit; // dynamic shared memory above 48 KiB that cudaFuncSetAttribute allowed
 // cudaMalloc of more bytes than this fails with cudaErrorMemoryAllocation: lets the tests take the
@@ -149,8 +157,7 @@ inline unsigned atomicAdd(unsigned *address, unsigned value) {
 
 // Blocks run one after another, so every earlier write is already visible.
 inline void __threadfence() {}
-// The shared-memory address of a pointer: here its host address (only its alignment is ever used).
-inline size_t __cvta_generic_to_shared(const void *p) { return reinterpret_cast<uintptr_t>(p); }
+inline size_t __cvta_generic_to_shared(const void *p) { return emu::shared_offset(p); }
 template <typename T> T __ldcg(const T *address) { return *address; }
 
 namespace conduit::kernels::cuda {

@@ -7,6 +7,8 @@ on random inputs, and runs it.
                                                    # the stats tests again with CONDUIT_STATS_MMA=0
                                                    # and the decode ones with CONDUIT_DECODE_MMA=0
                                                    # and CONDUIT_LAST_CTA_MERGE=0 (same bits)
+    python3 kernels/cuda/emu/run_emu.py -D CONDUIT_EMU_WGMMA=1   # the many-query attention's Hopper
+                                                   # path (wgmma.cuh) on the emulator's model of wgmma
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
 """
 import argparse
