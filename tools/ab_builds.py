@@ -93,25 +93,25 @@ def run(rounds: int, out_path: str, prefill: bool = False) -> None:
     with ThreadPoolExecutor(len(variants)) as pool:
         arch = f"{props.major}{props.minor}" + ("a" if props.major == 9 else "")  # Hopper: wgmma needs 90a
         libs = list(pool.map(lambda v: build(v, arch), variants))
+    # The decode rows and the decode step's replay, or (prefill) the many-query attention's rows only.
+    rows_tool = ["tools/bench_prefill_attention.py"] if prefill else ["tools/bench_decode_attention.py", "--no-sdpa"]
     results = {v["name"]: {**v, "rows_us": [], "step_ms": []} for v in variants}
     for _ in range(rounds):
         for v, lib in zip(variants, libs):
-            if prefill:  # the many-query attention instead: rows in us, no decode step
-                rows = measure(lib, ["tools/bench_prefill_attention.py"], v.get("env", {}))["rows"]
-                results[v["name"]]["rows_us"].append({k: r["seconds"] * 1e6 for k, r in rows.items()})
-                results[v["name"]]["step_ms"].append(0.0)
-                continue
-            rows = measure(lib, ["tools/bench_decode_attention.py", "--no-sdpa"], v.get("env", {}))["rows"]
-            results[v["name"]]["rows_us"].append({k: r["seconds"] * 1e6 for k, r in rows.items()})
-            step = measure(lib, ["tools/profile_decode.py", "--steps", "64"], v.get("env", {}))
-            results[v["name"]]["step_ms"].append(step["graph_replay_device_s"] * 1e3)
+            env, r = v.get("env", {}), results[v["name"]]
+            rows = measure(lib, rows_tool, env)["rows"]
+            r["rows_us"].append({k: row["seconds"] * 1e6 for k, row in rows.items()})
+            if not prefill:
+                step = measure(lib, ["tools/profile_decode.py", "--steps", "64"], env)
+                r["step_ms"].append(step["graph_replay_device_s"] * 1e3)
     json.dump({"device": props.name, "rounds": rounds, "variants": results}, open(out_path, "w"), indent=1)
     shapes = list(results[variants[0]["name"]]["rows_us"][0])
-    print(f"{'variant':16s} " + " ".join(f"{s:>15s}" for s in shapes) + f" {'step ms':>8s}  (medians)")
+    step_head = "" if prefill else f" {'step ms':>8s}"
+    print(f"{'variant':16s} " + " ".join(f"{s:>15s}" for s in shapes) + step_head + "  (medians)")
     for name, r in results.items():
         cells = [statistics.median(row[s] for row in r["rows_us"]) for s in shapes]
-        print(f"{name:16s} " + " ".join(f"{c:15.1f}" for c in cells) + f" {statistics.median(r['step_ms']):8.3f}")
-
+        step_cell = "" if prefill else f" {statistics.median(r['step_ms']):8.3f}"
+        print(f"{name:16s} " + " ".join(f"{c:15.1f}" for c in cells) + step_cell)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
