@@ -34,8 +34,10 @@
 // CONDUIT_NO_WGMMA=1 at build time keeps mma.sync there too, for A/B runs. The CPU emulator
 // (emu/) runs it with CONDUIT_EMU_WGMMA=1 (`run_emu.py -D CONDUIT_EMU_WGMMA=1`), on its scalar model
 // of the instruction, synchronously: it checks the layouts and the indexing, not the async ordering.
-#if defined(CONDUIT_CUDA_EMULATION)
-#define CONDUIT_WGMMA (CONDUIT_EMU_WGMMA + 0)
+#if defined(CONDUIT_CUDA_EMULATION) && defined(CONDUIT_EMU_WGMMA) && CONDUIT_EMU_WGMMA
+#define CONDUIT_WGMMA 1
+#elif defined(CONDUIT_CUDA_EMULATION)
+#define CONDUIT_WGMMA 0
 #elif defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && !CONDUIT_NO_WGMMA
 #define CONDUIT_WGMMA 1
 #else
