@@ -69,33 +69,9 @@ __device__ __forceinline__ void load_tile(const AttentionParams &p, const int32_
 // in a causal prefill chunk most queries see only a prefix. Call from all threads of the CTA.
 __device__ __forceinline__ void trim_to_visible(const int32_t *positions, int32_t q_position, int32_t &begin,
                                                 int32_t &end) {
-    __shared__ int32_t bounds[2][kAttnWarps];
-    int32_t first = INT32_MAX, last = -1;
-    for (int32_t s = begin + threadIdx.x; s < end; s += kAttnThreads) {
-        if (positions[s] <= q_position) {
-            first = min(first, s);
-            last = s;
-        }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-        first = min(first, __shfl_xor_sync(0xffffffffu, first, offset));
-        last = max(last, __shfl_xor_sync(0xffffffffu, last, offset));
-    }
-    if (threadIdx.x % 32 == 0) {
-        bounds[0][threadIdx.x / 32] = first;
-        bounds[1][threadIdx.x / 32] = last;
-    }
-    __syncthreads();
-    first = INT32_MAX;
-    last = -1;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
-        first = min(first, bounds[0][w]);
-        last = max(last, bounds[1][w]);
-    }
-    begin = last < 0 ? begin : first;
-    end = last + 1 > begin ? last + 1 : begin;
+    const SlotBounds bounds = visible_slot_bounds<kAttnWarps>(positions, q_position, begin, end);
+    begin = bounds.last < 0 ? begin : bounds.first;
+    end = bounds.last + 1 > begin ? bounds.last + 1 : begin;
 }
 
 template <typename T, int kLanes, int kPerLane, int kGroupTile>

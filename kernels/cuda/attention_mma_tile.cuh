@@ -174,24 +174,13 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
 // a slot its latest query (max_q_pos) sees (tile_begin when none does). Why: in a causal prefill
 // chunk, and in CONDUIT's recompute, a CTA's queries see only a prefix of the keys, and every tile
 // past it still cost the loop a barrier, the positions' round trip and the votes: half the loop's
-// iterations on a 4K chunk (Nsight Compute on an H200). The scan reads 4 bytes a slot, coalesced,
-// against the 2 * head_dim * 2 bytes a visible slot streams, and runs while the loop's first tiles
-// load. Call from all threads (kWarps warps).
+// iterations on a 4K chunk (Nsight Compute on an H200). The scan (visible_slot_bounds) runs while
+// the loop's first tiles load. Call from all threads (kWarps warps).
 template <int kWarps, int kKeys>
 __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, int32_t max_q_pos, int32_t tile_begin,
                                                     int32_t tile_end) {
-    __shared__ int32_t warp_last[kWarps];
-    const int32_t end = min(tile_end * kKeys, p.n_tokens);
-    int32_t last = -1;
-#pragma unroll 4
-    for (int32_t slot = tile_begin * kKeys + int32_t(threadIdx.x); slot < end; slot += 32 * kWarps)
-        if (p.positions[slot] <= max_q_pos) last = slot;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) last = max(last, __shfl_xor_sync(0xffffffffu, last, offset));
-    if (threadIdx.x % 32 == 0) warp_last[threadIdx.x / 32] = last;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) last = max(last, warp_last[w]);
+    const int32_t last =
+        visible_slot_bounds<kWarps>(p.positions, max_q_pos, tile_begin * kKeys, min(tile_end * kKeys, p.n_tokens)).last;
     return last < 0 ? tile_begin : last / kKeys + 1;
 }
 

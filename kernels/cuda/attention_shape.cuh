@@ -83,6 +83,43 @@ __device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, i
 // loads it (the head tiles of one KV head write the same bytes), so no other kernel has to run
 // between the projection and the attention. Call from every thread; the __syncthreads() after it
 // makes the row visible to the CTA's own loads.
+// The first and the last slot of [begin, end) visible at q_position (positions[slot] <= q_position;
+// last = -1 when none is): one scan of the positions, 4 bytes a slot, coalesced, against the K and V
+// rows a slot outside them would stream. Both many-query kernels narrow their key range with it
+// (trim_to_visible, visible_tile_end). Call from all threads of a CTA of kWarps warps.
+struct SlotBounds {
+    int32_t first, last;
+};
+
+template <int kWarps>
+__device__ __forceinline__ SlotBounds visible_slot_bounds(const int32_t *positions, int32_t q_position, int32_t begin,
+                                                          int32_t end) {
+    __shared__ int32_t warp_bounds[2][kWarps];
+    int32_t first = INT32_MAX, last = -1;
+#pragma unroll 4
+    for (int32_t slot = begin + int32_t(threadIdx.x); slot < end; slot += 32 * kWarps)
+        if (positions[slot] <= q_position) {
+            first = min(first, slot);
+            last = slot;
+        }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        first = min(first, __shfl_xor_sync(0xffffffffu, first, offset));
+        last = max(last, __shfl_xor_sync(0xffffffffu, last, offset));
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_bounds[0][threadIdx.x / 32] = first;
+        warp_bounds[1][threadIdx.x / 32] = last;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+        first = min(first, warp_bounds[0][w]);
+        last = max(last, warp_bounds[1][w]);
+    }
+    return {first, last};
+}
+
 template <typename T>
 __device__ void write_new_row(const AttentionParams &p, const int32_t *table, int32_t qi, int32_t kv_head,
                               int32_t n_tokens) {
