@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -90,13 +91,15 @@ def run(rounds: int, out_path: str, prefill: bool = False) -> None:
 
     props = torch.cuda.get_device_properties(0)
     variants = json.loads((AB_DIR / "plan.json").read_text())
+    start = time.monotonic()
     with ThreadPoolExecutor(len(variants)) as pool:
         arch = f"{props.major}{props.minor}" + ("a" if props.major == 9 else "")  # Hopper: wgmma needs 90a
         libs = list(pool.map(lambda v: build(v, arch), variants))
+    print(f"built {len(libs)} variants in {time.monotonic() - start:.0f} s", flush=True)
     # The decode rows and the decode step's replay, or (prefill) the many-query attention's rows only.
     rows_tool = ["tools/bench_prefill_attention.py"] if prefill else ["tools/bench_decode_attention.py", "--no-sdpa"]
     results = {v["name"]: {**v, "rows_us": [], "step_ms": []} for v in variants}
-    for _ in range(rounds):
+    for done_rounds in range(1, rounds + 1):
         for v, lib in zip(variants, libs):
             env, r = v.get("env", {}), results[v["name"]]
             rows = measure(lib, rows_tool, env)["rows"]
@@ -104,14 +107,20 @@ def run(rounds: int, out_path: str, prefill: bool = False) -> None:
             if not prefill:
                 step = measure(lib, ["tools/profile_decode.py", "--steps", "64"], env)
                 r["step_ms"].append(step["graph_replay_device_s"] * 1e3)
-    json.dump({"device": props.name, "rounds": rounds, "variants": results}, open(out_path, "w"), indent=1)
-    shapes = list(results[variants[0]["name"]]["rows_us"][0])
+        # Every round's results are kept: a call that runs out of time still has the rounds it finished.
+        json.dump({"device": props.name, "rounds": done_rounds, "variants": results}, open(out_path, "w"), indent=1)
+        print_medians(results, prefill, f"after round {done_rounds}")
+
+
+def print_medians(results: dict, prefill: bool, title: str) -> None:
+    shapes = list(next(iter(results.values()))["rows_us"][0])
     step_head = "" if prefill else f" {'step ms':>8s}"
-    print(f"{'variant':16s} " + " ".join(f"{s:>15s}" for s in shapes) + step_head + "  (medians)")
+    print(f"{title}\n{'variant':16s} " + " ".join(f"{s:>15s}" for s in shapes) + step_head + "  (medians)")
     for name, r in results.items():
         cells = [statistics.median(row[s] for row in r["rows_us"]) for s in shapes]
         step_cell = "" if prefill else f" {statistics.median(r['step_ms']):8.3f}"
-        print(f"{name:16s} " + " ".join(f"{c:15.1f}" for c in cells) + step_cell)
+        print(f"{name:16s} " + " ".join(f"{c:15.1f}" for c in cells) + step_cell, flush=True)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
