@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
         // tile fewer.
         float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
 #if CONDUIT_WGMMA
-        wgmma_scores<T, kHeadDim, S::kKeys>(q_frag, k_tile, s);
+        wgmma_scores<T, kHeadDim, S::kKeys>(q_frag, k_tile, s); // its wait also ends the last tile's P V
+        wgmma_fence_operands(reinterpret_cast<float(&)[kHeadDim / 2]>(acc));
 #else
         tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
 #endif
@@ -187,6 +188,10 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
     };
     for_each_key_tile<T, kHeadDim, kWarps, true, bool(CONDUIT_WGMMA)>(p, kv_head, tile_begin, tile_end, max_q_pos,
                                                                       min_q_pos, mma_smem, pos_smem, on_tile);
+#if CONDUIT_WGMMA
+    wgmma_wait_all(); // the last tile's P V
+    wgmma_fence_operands(reinterpret_cast<float(&)[kHeadDim / 2]>(acc));
+#endif
     store_rows<T, kHeadDim>(p, rows, acc, run_max, run_sum, split);
 }
 

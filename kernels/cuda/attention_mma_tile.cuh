@@ -225,11 +225,15 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
                                                                 smem + stage * kStageChunks);
         return slots.view;
     };
+    // Tiles loaded ahead of the compute: kStages - 1, or kStages - 2 with wgmma, whose P V product of
+    // tile t may still read t's stage while the copies of iteration t + 1 go out (into t - 1's).
+    constexpr int kAhead = kWgmmaLayout ? S::kStages - 2 : S::kStages - 1;
+    static_assert(kAhead >= 1, "at least one tile ahead");
     // The views of the tiles in flight, 2 bits each: bits 2k, 2k + 1 are tile + k's (0: hidden, also
     // for tiles past the end).
     uint32_t views = 0;
 #pragma unroll
-    for (int ahead = 0; ahead < S::kStages - 1; ++ahead) {
+    for (int ahead = 0; ahead < kAhead; ++ahead) {
         const int32_t tile = tile_begin + ahead;
         if (tile < tile_end)
             views |= uint32_t(start_tile(tile, lane_positions<S::kKeys>(p, tile, tile_end), blocks_of(tile), ahead))
@@ -239,18 +243,25 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     tile_end = visible_tile_end<kWarps, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
     // The positions and pool blocks of the next tile to start are read a tile early: they land during
     // a tile's compute instead of stalling the copies after the barrier.
-    LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + S::kStages - 1, tile_end);
-    Blocks blocks_ahead = blocks_of(tile_begin + S::kStages - 1);
-    int stage = 0, free_stage = S::kStages - 1; // tile's stage; the stage of tile - 1 (tile + kStages - 1's)
+    LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + kAhead, tile_end);
+    Blocks blocks_ahead = blocks_of(tile_begin + kAhead);
+    int stage = 0, ahead_stage = kAhead; // tile's stage; tile + kAhead's
+    // With wgmma, on_tile leaves its P V product running (wgmma_accumulate_pv) and the next on_tile's
+    // first wait ends it. After a hidden tile no such wait came: wait here, before the barrier after
+    // which the copies may overwrite that product's V (two tiles back).
+    bool computed_last = true;
     for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
-        cp_async_wait<S::kStages - 2>(); // this thread's copies of tile are done
+        cp_async_wait<kAhead - 1>(); // this thread's copies of tile are done
 #if CONDUIT_WGMMA
-        if constexpr (kWgmmaLayout) fence_async_shared(); // and visible to wgmma's reads
+        if constexpr (kWgmmaLayout) {
+            fence_async_shared(); // and visible to wgmma's reads
+            if (!computed_last) wgmma_wait_all();
+        }
 #endif
         __syncthreads();                 // everyone's are; and every warp is done with tile - 1
-        const int32_t ahead = tile + S::kStages - 1;
+        const int32_t ahead = tile + kAhead;
         if (ahead < tile_end) {
-            views |= uint32_t(start_tile(ahead, pos_ahead, blocks_ahead, free_stage)) << (2 * (S::kStages - 1));
+            views |= uint32_t(start_tile(ahead, pos_ahead, blocks_ahead, ahead_stage)) << (2 * kAhead);
             pos_ahead = lane_positions<S::kKeys>(p, ahead + 1, tile_end); // land during this tile's compute
             blocks_ahead = blocks_of(ahead + 1);
         }
@@ -258,8 +269,9 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
         const TileView view = TileView(views & 3u);
         views >>= 2;
         if (view != kTileHidden) on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
-        free_stage = stage;
+        computed_last = view != kTileHidden;
         stage = stage + 1 == S::kStages ? 0 : stage + 1;
+        ahead_stage = ahead_stage + 1 == S::kStages ? 0 : ahead_stage + 1;
     }
     cp_async_wait<0>(); // nothing is in flight here (tiles past the trimmed end hold no visible slot,
                         // so they issued no copies): a guard should that change

@@ -155,7 +155,9 @@ __device__ __forceinline__ void wgmma_scores(const uint32_t (&q_frag)[kHeadDim /
 }
 
 // O (this thread's kHeadDim / 2 floats, acc[n][j] as S's) += P V over kKeys keys: p_frag[k] are P's
-// A fragments of keys 16 k.., v_tile the V tile in the wgmma layout. Waits before returning.
+// A fragments of keys 16 k.., v_tile the V tile in the wgmma layout. Issues and commits; returns
+// before the product is done: the next wgmma_wait_all (the next tile's wgmma_scores, or the
+// caller's after the last tile) waits for it, and until then acc, p_frag and v_tile are in use.
 template <typename T, int kHeadDim, int kKeys>
 __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKeys / 16][4], const uint4 *v_tile,
                                                     float (&acc)[kHeadDim / 8][4]) {
@@ -167,8 +169,6 @@ __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKe
         WgmmaRS<T, kHeadDim, true, true>::run(d, p_frag[k], b);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    wgmma_fence_operands(d);
 }
 #endif // CONDUIT_WGMMA
 
