@@ -179,8 +179,12 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
 template <int kWarps, int kKeys>
 __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, int32_t max_q_pos, int32_t tile_begin,
                                                     int32_t tile_end) {
-    const int32_t last =
-        visible_slot_bounds<kWarps>(p.positions, max_q_pos, tile_begin * kKeys, min(tile_end * kKeys, p.n_tokens)).last;
+    const int32_t begin = tile_begin * kKeys, end = min(tile_end * kKeys, p.n_tokens);
+    if (end <= begin) return tile_begin; // no slot in the range
+    // The range's last slot visible: the scan could only return tile_end (one broadcast load; the
+    // common case of queries after every key of their split, as CONDUIT's text pass).
+    if (p.positions[end - 1] <= max_q_pos) return tile_end;
+    const int32_t last = visible_slot_bounds<kWarps>(p.positions, max_q_pos, begin, end).last;
     return last < 0 ? tile_begin : last / kKeys + 1;
 }
 
