@@ -190,9 +190,10 @@ __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, in
 
 // Streams the key tiles [tile_begin, tile_end) of one KV head through a ring of MmaShape::kStages
 // shared-memory stages (cp.async, kStages - 1 tiles ahead of the compute, one CTA barrier per tile:
-// see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile some row
-// of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when kWithValues; tile_pos:
-// its kKeys positions). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
+// see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile up to the
+// last one the CTA's rows see (k_tile: its swizzled K rows, followed by the V rows when kWithValues;
+// tile_pos: its kKeys positions). A tile no row sees comes with view kTileHidden and no copies in
+// its stage (on_tile returns, after finishing what reads an earlier stage). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
 // (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile, in
 // the wgmma layout (wgmma.cuh; smem then 1024-byte aligned) when kWgmmaLayout, else swizzled for
 // ldmatrix; pos_smem: kStages * kKeys positions. Call from all threads.
@@ -229,8 +230,9 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
                                                                 smem + stage * kStageChunks);
         return slots.view;
     };
-    // Tiles loaded ahead of the compute: kStages - 1, or kStages - 2 with wgmma, whose P V product of
-    // tile t may still read t's stage while the copies of iteration t + 1 go out (into t - 1's).
+    // Tiles loaded ahead of the compute: kStages - 1, or kStages - 2 with wgmma, where tile t's stage
+    // stays untouched until the barrier of iteration t + 2: on_tile(t + 1) may still read it (the
+    // attention's P V product of tile t runs during tile t + 1's softmax).
     constexpr int kAhead = kWgmmaLayout ? S::kStages - 2 : S::kStages - 1;
     static_assert(kAhead >= 1, "at least one tile ahead");
     // The views of the tiles in flight, 2 bits each: bits 2k, 2k + 1 are tile + k's (0: hidden, also
@@ -250,17 +252,10 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + kAhead, tile_end);
     Blocks blocks_ahead = blocks_of(tile_begin + kAhead);
     int stage = 0, ahead_stage = kAhead; // tile's stage; tile + kAhead's
-    // With wgmma, on_tile leaves its P V product running (wgmma_accumulate_pv) and the next on_tile's
-    // first wait ends it. After a hidden tile no such wait came: wait here, before the barrier after
-    // which the copies may overwrite that product's V (two tiles back).
-    bool computed_last = true;
     for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
         cp_async_wait<kAhead - 1>(); // this thread's copies of tile are done
 #if CONDUIT_WGMMA
-        if constexpr (kWgmmaLayout) {
-            fence_async_shared(); // and visible to wgmma's reads
-            if (!computed_last) wgmma_wait_all();
-        }
+        if constexpr (kWgmmaLayout) fence_async_shared(); // and visible to wgmma's reads
 #endif
         __syncthreads();                 // everyone's are; and every warp is done with tile - 1
         const int32_t ahead = tile + kAhead;
@@ -272,8 +267,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
         cp_async_commit();
         const TileView view = TileView(views & 3u);
         views >>= 2;
-        if (view != kTileHidden) on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
-        computed_last = view != kTileHidden;
+        on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
         stage = stage + 1 == S::kStages ? 0 : stage + 1;
         ahead_stage = ahead_stage + 1 == S::kStages ? 0 : ahead_stage + 1;
     }
