@@ -116,65 +116,102 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
     const int32_t tiles_per_split = p.n_splits > 1 ? p.split_tokens / S::kKeys : n_tiles;
     const int32_t tile_begin = min(n_tiles, split * tiles_per_split);
     const int32_t tile_end = min(n_tiles, tile_begin + tiles_per_split);
-    // The V rows' ldmatrix.trans addresses: key 16 k + ((lane / 8) % 2) * 8 + lane % 8, chunk 2 n + lane / 16.
-#if !CONDUIT_WGMMA
-    const int32_t lane = threadIdx.x % 32;
-    const LaneChunks<S::kRowChunks> v_chunks(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
-#endif
-    const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
-        const uint4 *v_tile = k_tile + S::kTileChunks;
-        const int32_t tile_keys = min(S::kKeys, p.n_tokens - tile * S::kKeys);
-
-        // S = Q K^T; masked (unless every slot is visible to every row). Base-2 scores are s *
-        // scale_log2 (positive: attention.cu sends no other here): the row maxima are taken on the
-        // raw scores (the same bits as the maxima of the products: rounding a product by a positive
-        // factor is monotonic) and the scale goes into the exponent's FFMA, 32 multiplies a lane and
-        // tile fewer.
-        float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
-#if CONDUIT_WGMMA
-        wgmma_scores<T, kHeadDim, S::kKeys>(q_frag, k_tile, s);
-#else
-        tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
-#endif
-        mask_tile<S::kKeyTiles, false>(s, view, rows, tile_pos, tile_keys, 0.0f, tile_max);
+    // Masks a tile's raw scores S = Q K^T (unless every slot is visible to every row) and moves the
+    // rows' running maxima and sums to it: ref, the maxima P is taken against; alpha, the factor the
+    // accumulators take. Base-2 scores are s * scale_log2 (positive: attention.cu sends no other
+    // here): the maxima are taken on the raw scores (the same bits as the maxima of the products:
+    // rounding a product by a positive factor is monotonic) and the scale goes into the exponent's
+    // FFMA, 32 multiplies a lane and tile fewer.
+    const auto tile_softmax = [&](float(&s)[S::kKeyTiles][4], TileView view, const int32_t *tile_pos, int32_t tile,
+                                  float(&ref)[2], float(&alpha)[2]) {
+        float tile_max[2];
+        mask_tile<S::kKeyTiles, false>(s, view, rows, tile_pos, min(S::kKeys, p.n_tokens - tile * S::kKeys), 0.0f,
+                                       tile_max);
         tile_max[0] *= p.scale_log2;
         tile_max[1] *= p.scale_log2;
         rescale_running(tile_max, run_max, run_sum, ref, alpha);
-        // Once the rows' maxima settle, most tiles move none of them (alpha = 1 exactly): skip the
-        // accumulator's 64 multiplies a lane when the whole warp agrees.
+    };
+    // P of one n-tile of S, in place: 2^(s scale_log2 - ref), added to the running sums (masked: 2^-inf = 0).
+    const auto exponentiate = [&](float(&sv)[4], const float(&ref)[2]) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sv[j] = fast_exp2(fmaf(sv[j], p.scale_log2, -ref[j / 2]));
+            run_sum[j / 2] += sv[j];
+        }
+    };
+    // P's A fragment of keys 16 k..: S n-tiles 2k (cols 0..7) and 2k + 1, exponentiated.
+    const auto pack_p = [](const float(&s)[S::kKeyTiles][4], int k, uint32_t(&a)[4]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            a[2 * h] = pack2<T>(s[2 * k + h][0], s[2 * k + h][1]);
+            a[2 * h + 1] = pack2<T>(s[2 * k + h][2], s[2 * k + h][3]);
+        }
+    };
+    // Once the rows' maxima settle, most tiles move none of them (alpha = 1 exactly): the
+    // accumulator's 64 multiplies a lane are skipped when the whole warp agrees.
+    const auto rescale_acc = [&](const float(&alpha)[2]) {
         if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
             for (int n = 0; n < S::kDimTiles; ++n)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) acc[n][j] *= alpha[j / 2];
         }
-
-        // O += P V, 16 keys per step: P's A fragment is S n-tiles 2k (cols 0..7) and 2k + 1.
-        const auto p_fragment = [&](int k, uint32_t(&a)[4]) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float *sv = s[2 * k + h];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    sv[j] = fast_exp2(fmaf(sv[j], p.scale_log2, -ref[j / 2])); // masked: 2^-inf = 0
-                    run_sum[j / 2] += sv[j];
-                }
-                a[2 * h] = pack2<T>(sv[0], sv[1]);
-                a[2 * h + 1] = pack2<T>(sv[2], sv[3]);
-            }
-        };
+    };
 #if CONDUIT_WGMMA
-        uint32_t p_frag[S::kKeyTiles / 2][4];
+    // FlashAttention-3's pipeline within a warpgroup: tile t's O += P V runs on the tensor core while
+    // the warps take tile t + 1's softmax. Each tile issues its S = Q K^T, then the previous tile's
+    // pending P V; waits for S alone (wgmma groups end in order), takes the softmax; then waits for
+    // P V, rescales O and leaves its own P pending. The loop keeps a tile's stage until tile + 1's
+    // on_tile has returned (for_each_key_tile); a hidden tile finishes the pending product at once.
+    uint32_t p_frag[S::kKeyTiles / 2][4];
+    const uint4 *pending_v = nullptr; // the V tile of the P in p_frag, whose product is not issued yet
+    const auto finish_pending = [&] {
+        if (!pending_v) return;
+        wgmma_accumulate_pv<T, kHeadDim, S::kKeys>(p_frag, pending_v, acc);
+        wgmma_wait<0>();
+        wgmma_fence_operands(reinterpret_cast<float(&)[kHeadDim / 2]>(acc));
+        pending_v = nullptr;
+    };
+    const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
+        if (view == kTileHidden) return finish_pending();
+        float s[S::kKeyTiles][4], ref[2], alpha[2];
+        wgmma_issue_scores<T, kHeadDim, S::kKeys>(q_frag, k_tile, s);
+        if (pending_v) {
+            wgmma_accumulate_pv<T, kHeadDim, S::kKeys>(p_frag, pending_v, acc);
+            wgmma_wait<1>(); // S; P V runs on
+        } else {
+            wgmma_wait<0>();
+        }
+        wgmma_fence_operands(reinterpret_cast<float(&)[S::kKeys / 2]>(s));
+        tile_softmax(s, view, tile_pos, tile, ref, alpha);
 #pragma unroll
-        for (int k = 0; k < S::kKeyTiles / 2; ++k) p_fragment(k, p_frag[k]);
-        wgmma_accumulate_pv<T, kHeadDim, S::kKeys>(p_frag, v_tile, acc);
+        for (int n = 0; n < S::kKeyTiles; ++n) exponentiate(s[n], ref);
+        wgmma_wait<0>(); // P V: acc and p_frag are free
+        wgmma_fence_operands(reinterpret_cast<float(&)[kHeadDim / 2]>(acc));
+        rescale_acc(alpha);
+#pragma unroll
+        for (int k = 0; k < S::kKeyTiles / 2; ++k) pack_p(s, k, p_frag[k]);
+        pending_v = k_tile + S::kTileChunks;
+    };
 #else
+    // The V rows' ldmatrix.trans addresses: key 16 k + ((lane / 8) % 2) * 8 + lane % 8, chunk 2 n + lane / 16.
+    const int32_t lane = threadIdx.x % 32;
+    const LaneChunks<S::kRowChunks> v_chunks(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
+    const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
+        if (view == kTileHidden) return;
+        float s[S::kKeyTiles][4], ref[2], alpha[2];
+        tile_scores<T, kHeadDim, kWarps>(q_frag, k_tile, s);
+        tile_softmax(s, view, tile_pos, tile, ref, alpha);
+        rescale_acc(alpha);
+        // O += P V, 16 keys per step.
         const uint4 *v_ptrs[4];
-        v_chunks.pointers(v_tile, v_ptrs);
+        v_chunks.pointers(k_tile + S::kTileChunks, v_ptrs);
 #pragma unroll
         for (int k = 0; k < S::kKeyTiles / 2; ++k) {
             uint32_t a[4];
-            p_fragment(k, a);
+            exponentiate(s[2 * k], ref);
+            exponentiate(s[2 * k + 1], ref);
+            pack_p(s, k, a);
 #pragma unroll
             for (int n = 0; n < S::kDimTiles / 2; ++n) {
                 uint32_t b[4];
@@ -183,10 +220,13 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
                 mma_m16n8k16<T>(acc[2 * n + 1], a, b[2], b[3]);
             }
         }
-#endif
     };
+#endif
     for_each_key_tile<T, kHeadDim, kWarps, true, bool(CONDUIT_WGMMA)>(p, kv_head, tile_begin, tile_end, max_q_pos,
                                                                       min_q_pos, mma_smem, pos_smem, on_tile);
+#if CONDUIT_WGMMA
+    finish_pending(); // the last tile's P V
+#endif
     store_rows<T, kHeadDim>(p, rows, acc, run_max, run_sum, split);
 }
 

@@ -179,16 +179,21 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
 template <int kWarps, int kKeys>
 __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, int32_t max_q_pos, int32_t tile_begin,
                                                     int32_t tile_end) {
-    const int32_t last =
-        visible_slot_bounds<kWarps>(p.positions, max_q_pos, tile_begin * kKeys, min(tile_end * kKeys, p.n_tokens)).last;
+    const int32_t begin = tile_begin * kKeys, end = min(tile_end * kKeys, p.n_tokens);
+    if (end <= begin) return tile_begin; // no slot in the range
+    // The range's last slot visible: the scan could only return tile_end (one broadcast load; the
+    // common case of queries after every key of their split, as CONDUIT's text pass).
+    if (p.positions[end - 1] <= max_q_pos) return tile_end;
+    const int32_t last = visible_slot_bounds<kWarps>(p.positions, max_q_pos, begin, end).last;
     return last < 0 ? tile_begin : last / kKeys + 1;
 }
 
 // Streams the key tiles [tile_begin, tile_end) of one KV head through a ring of MmaShape::kStages
 // shared-memory stages (cp.async, kStages - 1 tiles ahead of the compute, one CTA barrier per tile:
-// see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile some row
-// of the CTA can see (k_tile: its swizzled K rows, followed by the V rows when kWithValues; tile_pos:
-// its kKeys positions). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
+// see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile up to the
+// last one the CTA's rows see (k_tile: its swizzled K rows, followed by the V rows when kWithValues;
+// tile_pos: its kKeys positions). A tile no row sees comes with view kTileHidden and no copies in
+// its stage (on_tile returns, after finishing what reads an earlier stage). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
 // (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile, in
 // the wgmma layout (wgmma.cuh; smem then 1024-byte aligned) when kWgmmaLayout, else swizzled for
 // ldmatrix; pos_smem: kStages * kKeys positions. Call from all threads.
@@ -225,11 +230,16 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
                                                                 smem + stage * kStageChunks);
         return slots.view;
     };
+    // Tiles loaded ahead of the compute: kStages - 1, or kStages - 2 with wgmma, where tile t's stage
+    // stays untouched until the barrier of iteration t + 2: on_tile(t + 1) may still read it (the
+    // attention's P V product of tile t runs during tile t + 1's softmax).
+    constexpr int kAhead = kWgmmaLayout ? S::kStages - 2 : S::kStages - 1;
+    static_assert(kAhead >= 1, "at least one tile ahead");
     // The views of the tiles in flight, 2 bits each: bits 2k, 2k + 1 are tile + k's (0: hidden, also
     // for tiles past the end).
     uint32_t views = 0;
 #pragma unroll
-    for (int ahead = 0; ahead < S::kStages - 1; ++ahead) {
+    for (int ahead = 0; ahead < kAhead; ++ahead) {
         const int32_t tile = tile_begin + ahead;
         if (tile < tile_end)
             views |= uint32_t(start_tile(tile, lane_positions<S::kKeys>(p, tile, tile_end), blocks_of(tile), ahead))
@@ -239,27 +249,27 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     tile_end = visible_tile_end<kWarps, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
     // The positions and pool blocks of the next tile to start are read a tile early: they land during
     // a tile's compute instead of stalling the copies after the barrier.
-    LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + S::kStages - 1, tile_end);
-    Blocks blocks_ahead = blocks_of(tile_begin + S::kStages - 1);
-    int stage = 0, free_stage = S::kStages - 1; // tile's stage; the stage of tile - 1 (tile + kStages - 1's)
+    LanePositions pos_ahead = lane_positions<S::kKeys>(p, tile_begin + kAhead, tile_end);
+    Blocks blocks_ahead = blocks_of(tile_begin + kAhead);
+    int stage = 0, ahead_stage = kAhead; // tile's stage; tile + kAhead's
     for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
-        cp_async_wait<S::kStages - 2>(); // this thread's copies of tile are done
+        cp_async_wait<kAhead - 1>(); // this thread's copies of tile are done
 #if CONDUIT_WGMMA
         if constexpr (kWgmmaLayout) fence_async_shared(); // and visible to wgmma's reads
 #endif
         __syncthreads();                 // everyone's are; and every warp is done with tile - 1
-        const int32_t ahead = tile + S::kStages - 1;
+        const int32_t ahead = tile + kAhead;
         if (ahead < tile_end) {
-            views |= uint32_t(start_tile(ahead, pos_ahead, blocks_ahead, free_stage)) << (2 * (S::kStages - 1));
+            views |= uint32_t(start_tile(ahead, pos_ahead, blocks_ahead, ahead_stage)) << (2 * kAhead);
             pos_ahead = lane_positions<S::kKeys>(p, ahead + 1, tile_end); // land during this tile's compute
             blocks_ahead = blocks_of(ahead + 1);
         }
         cp_async_commit();
         const TileView view = TileView(views & 3u);
         views >>= 2;
-        if (view != kTileHidden) on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
-        free_stage = stage;
+        on_tile(view, smem + stage * kStageChunks, pos_smem + stage * S::kKeys, tile);
         stage = stage + 1 == S::kStages ? 0 : stage + 1;
+        ahead_stage = ahead_stage + 1 == S::kStages ? 0 : ahead_stage + 1;
     }
     cp_async_wait<0>(); // nothing is in flight here (tiles past the trimmed end hold no visible slot,
                         // so they issued no copies): a guard should that change

@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim>::kThreads)
 
     float run_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, run_sum[2] = {0.0f, 0.0f}; // sums lane-partial
     const auto on_tile = [&](TileView view, const uint4 *k_tile, const int32_t *tile_pos, int32_t tile) {
+        if (view == kTileHidden) return;
         float s[S::kKeyTiles][4], tile_max[2], ref[2], alpha[2];
         tile_scores<T, kHeadDim, S::kWarps>(q_frag, k_tile, s);
         mask_tile<S::kKeyTiles, true>(s, view, rows, tile_pos, min(S::kKeys, p.n_tokens - tile * S::kKeys),

@@ -69,7 +69,10 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(const void *smem, uint32_t 
 // Orders this thread's earlier register writes (accumulators, A fragments) before the wgmma that follow.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most kPending of this warpgroup's committed groups are still running (groups end in order).
+template <int kPending> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
 // After a wait: tells the compiler that the accumulators change here, so that no read of them is
 // scheduled before the wait (the wait's asm names no registers; ptxas alone orders them otherwise).
 template <int kN> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kN]) {
@@ -122,7 +125,7 @@ CONDUIT_WGMMA_RS(__half, "f16", 128, "%64", CONDUIT_WGMMA_REGS64, CONDUIT_WGMMA_
 #else  // the emulator: one synchronous model (emu::wgmma_rs), nothing to order
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
-inline void wgmma_wait_all() {}
+template <int kPending> void wgmma_wait() {}
 inline void fence_async_shared() {}
 template <int kN> void wgmma_fence_operands(float (&)[kN]) {}
 template <typename T, int kN, bool kTransB, bool kAccumulate> struct WgmmaRS {
@@ -134,10 +137,11 @@ template <typename T, int kN, bool kTransB, bool kAccumulate> struct WgmmaRS {
 
 // S (this thread's 32 floats of the 64 x 64 tile, as s[n][j]: keys 8n + 2t + j % 2, row g + 8 (j / 2))
 // = Q K^T over kHeadDim dims: q_frag[kk] are Q's A fragments of dims 16 kk.., k_tile the K tile in
-// the wgmma layout (1024-byte aligned). Issues, commits and waits: s is ready on return.
+// the wgmma layout (1024-byte aligned). Issues and commits one group; s is ready after the caller's
+// wgmma_wait for it (then wgmma_fence_operands(s)), and k_tile is in use until then.
 template <typename T, int kHeadDim, int kKeys>
-__device__ __forceinline__ void wgmma_scores(const uint32_t (&q_frag)[kHeadDim / 16][4], const uint4 *k_tile,
-                                             float (&s)[kKeys / 8][4]) {
+__device__ __forceinline__ void wgmma_issue_scores(const uint32_t (&q_frag)[kHeadDim / 16][4], const uint4 *k_tile,
+                                                   float (&s)[kKeys / 8][4]) {
     static_assert(kKeys == 64, "S tiles of 64 keys");
     float(&d)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(s);
 #pragma unroll
@@ -150,12 +154,12 @@ __device__ __forceinline__ void wgmma_scores(const uint32_t (&q_frag)[kHeadDim /
         else WgmmaRS<T, kKeys, false, true>::run(d, q_frag[kk], b);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    wgmma_fence_operands(d);
 }
 
 // O (this thread's kHeadDim / 2 floats, acc[n][j] as S's) += P V over kKeys keys: p_frag[k] are P's
-// A fragments of keys 16 k.., v_tile the V tile in the wgmma layout. Waits before returning.
+// A fragments of keys 16 k.., v_tile the V tile in the wgmma layout. Issues and commits one group;
+// acc, p_frag and v_tile are in use until the caller's wgmma_wait for it (then
+// wgmma_fence_operands(acc)).
 template <typename T, int kHeadDim, int kKeys>
 __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKeys / 16][4], const uint4 *v_tile,
                                                     float (&acc)[kHeadDim / 8][4]) {
@@ -167,8 +171,6 @@ __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKe
         WgmmaRS<T, kHeadDim, true, true>::run(d, p_frag[k], b);
     }
     wgmma_commit();
-    wgmma_wait_all();
-    wgmma_fence_operands(d);
 }
 #endif // CONDUIT_WGMMA
 
