@@ -286,3 +286,37 @@ def test_attention_stats_match_the_materialised_probabilities(device, dtype, n_k
     assert torch.equal(table[1], mass) and torch.equal(seq.attention_mass(0, q, q_pos.to(device), 1 / math.sqrt(head_dim)), mass)
     with pytest.raises(InvalidArgumentError):
         seq.attention_mass(0, q, q_pos.to(device), 1.0, out=table[:, :-1].reshape(-1)[: n_tokens - 1])
+
+
+def _load_tool(name: str):
+    """A script of tools/ as a module."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_wgmma_attention_leaves_the_registers_of_a_running_product_alone():
+    """The library's sm_90a code (when it has some) touches no A fragment or accumulator of an
+    in-flight HGMMA before the wait that retires it: ptxas does not enforce it (tools/check_wgmma_sass.py)."""
+    import subprocess
+
+    from conduit_rt import native
+
+    check = _load_tool("check_wgmma_sass")
+    tool = check.find_cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the library's SASS")
+    dump = subprocess.run([tool, "-sass", str(native.find_library())], capture_output=True, text=True)
+    if "does not contain device code" in dump.stdout + dump.stderr:
+        pytest.skip("the library has no CUDA backend")
+    assert dump.returncode == 0, dump.stderr
+    hazards, n_hgmma = check.scan(dump.stdout)
+    if n_hgmma == 0:
+        pytest.skip("the library holds no warpgroup MMA (not built for sm_90a)")
+    assert [f"{h.address}: {h.instruction}" for h in hazards] == []
