@@ -2,10 +2,11 @@
 // head_dim 64 or 128 and many queries (prefill chunks, CONDUIT recompute): mma.sync m16n8k16 on
 // sm_80+, and on sm_90a (Hopper built as 90a) the two products of a key tile as warpgroup MMAs
 // (wgmma.cuh: each 4-warp group of the CTA is one 64-row wgmma tile; K and V read from shared memory
-// by the tensor core, Q and P from registers). Measured on an H200 against the mma.sync build of the
-// same tree (docs/benchmarks/runs.md, tenth session): a 4K prefill chunk 628 -> 534 us, CONDUIT's
-// recompute 402 -> 346 us (GQA) and 212 -> 182 us (MHA). Everything else (rows, tiles, softmax,
-// masks, splits) is the same code on both.
+// by the tensor core, Q and P from registers; a tile's P V runs during the next tile's softmax, as in
+// FlashAttention-3). Measured on an H200 against the mma.sync build of the same tree
+// (docs/benchmarks/runs.md, tenth session): a 4K prefill chunk 628 -> 534 us, CONDUIT's recompute
+// 402 -> 346 us (GQA) and 212 -> 182 us (MHA); the pipeline, 487 -> 470 us on the chunk (eleventh).
+// Everything else (rows, tiles, softmax, masks, splits) is the same code on both.
 //
 // Rows are (query, head) pairs of one KV head: row r = query r / group, head r % group of the
 // group, so each K/V tile in shared memory serves every query head of the group. Grid: x = tile of

@@ -11,7 +11,9 @@
 //   wait for t's copies (cp.async.wait_group kStages - 2), __syncthreads, issue the copies of tile
 //   t + kStages - 1 into the stage tile t - 1 used, commit, compute t.
 // The barrier does two jobs at once: it publishes t's stage (every thread's copies of it are done)
-// and proves that every warp has finished t - 1, whose stage the new copies overwrite. Whether a
+// and proves that every warp has finished t - 1, whose stage the new copies overwrite. With wgmma
+// the copies run one tile less ahead (t + kStages - 2, into t - 2's stage): the attention's P V of
+// tile t - 1 still reads t - 1's stage while t's softmax runs. Whether a
 // tile is visible at all, which of its slots to zero-fill and whether it needs the mask are decided
 // by each warp on its own, with warp votes over the tile's 64 positions (two per lane, loaded one
 // iteration early): every warp reads the same positions against the same CTA range

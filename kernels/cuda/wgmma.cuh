@@ -159,7 +159,9 @@ __device__ __forceinline__ void wgmma_issue_scores(const uint32_t (&q_frag)[kHea
 // O (this thread's kHeadDim / 2 floats, acc[n][j] as S's) += P V over kKeys keys: p_frag[k] are P's
 // A fragments of keys 16 k.., v_tile the V tile in the wgmma layout. Issues and commits one group;
 // acc, p_frag and v_tile are in use until the caller's wgmma_wait for it (then
-// wgmma_fence_operands(acc)).
+// wgmma_fence_operands(acc)). Write nothing into p_frag's registers before that wait, not even
+// through new variables: ptxas may give a value computed before the wait the registers of p_frag
+// (it did, and the outputs came out wrong on an H200); tools/check_wgmma_sass.py checks the SASS.
 template <typename T, int kHeadDim, int kKeys>
 __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKeys / 16][4], const uint4 *v_tile,
                                                     float (&acc)[kHeadDim / 8][4]) {
