@@ -301,6 +301,32 @@ def _load_tool(name: str):
     return module
 
 
+def _sass(*instructions: str) -> str:
+    """cuobjdump -sass text of one function with these instructions, 16 bytes apart."""
+    lines = [f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(instructions)]
+    return "\n\tFunction : kernel\n" + "\n".join(lines) + "\n"
+
+
+def test_the_sass_check_finds_a_register_of_a_running_product_touched_on_some_path():
+    """The checker's rule on hand-written SASS: a product's A fragment (R8..R11) and accumulators
+    (R16..R47) are off limits until the DEPBAR that retires its group, on every path."""
+    check = _load_tool("check_wgmma_sass")
+    issue = ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R16, R8, gdesc[UR4], R16, gsb0"]
+    clean = _sass(*issue, "FMUL R50, R51, R52", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "F2FP.BF16.F32.PACK_AB R8, R16, R17",
+                  "EXIT")
+    assert check.scan(clean) == ([], 1)
+    # A write of the A fragment on the taken side of a branch only, and a read of an accumulator.
+    branchy = _sass(*issue, "@P0 BRA 0x0050", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT", "F2FP.BF16.F32.PACK_AB R9, R50, R51",
+                    "FADD R60, R17, R61", "EXIT")
+    hazards, _ = check.scan(branchy)
+    assert [(h.address, h.kind, h.registers) for h in hazards] == [("0050", "write", [9]), ("0060", "read", [17])]
+    # A later group retires first only if waited to zero: DEPBAR.LE 1 keeps the newest group in flight.
+    two_groups = _sass(*issue, "HGMMA.64x64x16.F32.BF16 R48, R12, gdesc[UR4], R48, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+                       "FMUL R16, R16, R2", "FMUL R48, R48, R2", "EXIT")
+    hazards, _ = check.scan(two_groups)
+    assert [(h.address, h.registers) for h in hazards] == [("0050", [48])]
+
+
 def test_the_wgmma_attention_leaves_the_registers_of_a_running_product_alone():
     """The library's sm_90a code (when it has some) touches no A fragment or accumulator of an
     in-flight HGMMA before the wait that retires it: ptxas does not enforce it (tools/check_wgmma_sass.py)."""

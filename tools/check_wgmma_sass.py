@@ -6,13 +6,15 @@ accumulators, before the WARPGROUP.DEPBAR that retires it.
 Why: the PTX ISA makes touching a wgmma's A or accumulator registers before its wgmma.wait_group
 undefined, and ptxas does not enforce it for A: given P packed into new registers before the wait
 of the P V product that still reads the old ones, it reused the old registers (the eleventh
-session's `wgmma-pipeline2`: 448 such writes here, 0.4% of the outputs wrong on an H200, while the
+session's `wgmma-pipeline2`: 692 such writes here, 0.4% of the outputs wrong on an H200, while the
 CPU emulator, which runs wgmma synchronously, passed). The compiler-level fences of wgmma.cuh act on
 NVVM, not on ptxas's register allocation, so the SASS is the place to look.
 
-The scan is linear per function: conditional branches fall through, an unconditional forward
-branch is followed (the code it jumps over is another path). It is a check of the code as laid
-out, not a proof; it finds the hazard above, and none in the shipped kernels.
+Every path of a function's control-flow graph is followed (both sides of a branch, loop back-edges,
+the divergent-branch fallbacks) with the groups in flight along it. The operand parsing is by
+pattern (the first operand of an instruction with a register there is its destination; .64 / .128
+/ .WIDE widen it), so it is a check, not a proof; it finds the hazard above, and none in the
+shipped kernels.
 
     python3 tools/check_wgmma_sass.py build/libconduit.so      # or a .cubin; exit 1 on a hazard
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
+PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 HGMMA_SHAPE = re.compile(r"HGMMA\.64x(\d+)x")
 
 
@@ -75,55 +78,87 @@ def _destination_width(opcode: str) -> int:
     return 1
 
 
-def scan(sass: str) -> tuple[list[Hazard], int]:
-    """Hazards in cuobjdump -sass text, and the number of HGMMA instructions seen."""
-    hazards: list[Hazard] = []
-    function, skip_to, n_hgmma = "", None, 0
-    groups: list[tuple[set[int], set[int]]] = []  # committed, in flight: (written regs, accumulators)
-    owned, acc = set(), set()                    # the group being issued
+@dataclass(frozen=True)
+class _Flight:
+    """What is in flight at an instruction: committed groups (each: registers it owns, its
+    accumulators), and the registers of the group being issued."""
+    groups: tuple[tuple[frozenset, frozenset], ...] = ()
+    owned: frozenset = frozenset()
+    acc: frozenset = frozenset()
+
+
+def _functions(sass: str) -> list[tuple[str, list[tuple[int, str]]]]:
+    """cuobjdump -sass text -> [(function name, [(address, instruction text)])]."""
+    out: list[tuple[str, list[tuple[int, str]]]] = []
     for line in sass.splitlines():
         if "Function :" in line:
-            function, skip_to, groups, owned, acc = line.split(":", 1)[1].strip(), None, [], set(), set()
-            continue
-        m = INSTRUCTION.search(line)
-        if not m:
-            continue
-        address, text = m.group(1), m.group(2).strip()
-        if skip_to is not None and int(address, 16) < skip_to:
-            continue
-        skip_to = None
-        jump = re.fullmatch(r"BRA 0x([0-9a-f]+)", text)  # unconditional (no predicate)
-        if jump:
-            if int(jump.group(1), 16) > int(address, 16):
-                skip_to = int(jump.group(1), 16)
-            continue
-        text = re.sub(r"^@!?U?P\w+\s+", "", text)
-        opcode, _, rest = text.partition(" ")
-        operands = [o.strip() for o in rest.split(",")] if rest else []
-        if opcode.startswith("HGMMA"):
-            n_hgmma += 1
-            n = int(HGMMA_SHAPE.search(opcode).group(1))
-            d = _registers(operands[0], n // 2)
-            acc |= d
-            owned |= d | _registers(operands[1], 4)  # A in registers: 4 of them (RZ / a descriptor: none)
-            if "gsb0" in text:  # the group's last instruction
-                groups.append((owned, acc))
-                owned, acc = set(), set()
-            continue
-        if opcode.startswith("WARPGROUP.DEPBAR"):
-            keep = int(operands[-1], 0)
-            groups = groups[len(groups) - keep:] if keep else []
-            continue
-        if not groups:
-            continue
-        in_flight = set().union(*(g[0] for g in groups))
-        in_flight_acc = set().union(*(g[1] for g in groups))
-        written = _registers(operands[0], _destination_width(opcode)) if operands and operands[0].startswith("R") else set()
-        read = set().union(*(_registers(o) for o in operands[1:])) if len(operands) > 1 else set()
-        if written & in_flight:
-            hazards.append(Hazard(function, address, text, sorted(written & in_flight), "write"))
-        elif read & in_flight_acc:
-            hazards.append(Hazard(function, address, text, sorted(read & in_flight_acc), "read"))
+            out.append((line.split(":", 1)[1].strip(), []))
+        elif out and (m := INSTRUCTION.search(line)):
+            out[-1][1].append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def _successors(code: list[tuple[int, str]], index: dict[int, int], i: int) -> list[int]:
+    text = code[i][1]
+    predicated = PREDICATE.match(text) is not None
+    opcode = PREDICATE.sub("", text).split(" ", 1)[0]
+    if opcode.startswith("BRA"):
+        target = [index[int(re.search(r"0x([0-9a-f]+)\s*$", text).group(1), 16)]]
+        return target + ([i + 1] if predicated or opcode.startswith("BRA.DIV") else [])
+    if opcode.startswith(("EXIT", "RET")) and not predicated:
+        return []
+    return [i + 1] if i + 1 < len(code) else []
+
+
+def _step(flight: _Flight, text: str) -> tuple[_Flight, tuple[str, list[int]] | None]:
+    """The in-flight state after one instruction, and the hazard it commits (kind, registers) if any."""
+    opcode, _, rest = PREDICATE.sub("", text).partition(" ")
+    operands = [o.strip() for o in rest.split(",")] if rest else []
+    if opcode.startswith("HGMMA"):
+        d = _registers(operands[0], int(HGMMA_SHAPE.search(opcode).group(1)) // 2)
+        owned = flight.owned | d | _registers(operands[1], 4)  # A in registers: 4 of them (a descriptor: none)
+        if "gsb0" in text:  # the group's last instruction
+            return _Flight(flight.groups + ((owned, flight.acc | d),)), None
+        return _Flight(flight.groups, owned, flight.acc | d), None
+    if opcode.startswith("WARPGROUP.DEPBAR"):
+        keep = int(operands[-1], 0)
+        return _Flight(flight.groups[len(flight.groups) - keep:] if keep else (), flight.owned, flight.acc), None
+    if not flight.groups:
+        return flight, None
+    in_flight = frozenset().union(*(g[0] for g in flight.groups))
+    in_flight_acc = frozenset().union(*(g[1] for g in flight.groups))
+    written = _registers(operands[0], _destination_width(opcode)) if operands and operands[0].startswith("R") else set()
+    read = set().union(*(_registers(o) for o in operands[1:])) if len(operands) > 1 else set()
+    if written & in_flight:
+        return flight, ("write", sorted(written & in_flight))
+    if read & in_flight_acc:
+        return flight, ("read", sorted(read & in_flight_acc))
+    return flight, None
+
+
+def scan(sass: str) -> tuple[list[Hazard], int]:
+    """Hazards in cuobjdump -sass text, and the number of HGMMA instructions seen. Every path of each
+    function's control-flow graph is followed (taken and fall-through branches, loop back-edges),
+    with the in-flight state it carries: a worklist over (instruction, state) pairs."""
+    hazards: list[Hazard] = []
+    n_hgmma = 0
+    for function, code in _functions(sass):
+        n_hgmma += sum(PREDICATE.sub("", text).startswith("HGMMA") for _, text in code)
+        index = {address: i for i, (address, _) in enumerate(code)}
+        seen: set[tuple[int, _Flight]] = set()
+        found: dict[int, Hazard] = {}
+        work = [(0, _Flight())] if code else []
+        while work:
+            i, flight = work.pop()
+            if (i, flight) in seen:
+                continue
+            seen.add((i, flight))
+            address, text = code[i]
+            flight, hazard = _step(flight, text)
+            if hazard and address not in found:
+                found[address] = Hazard(function, f"{address:04x}", text, hazard[1], hazard[0])
+            work += [(j, flight) for j in _successors(code, index, i)]
+        hazards += [found[a] for a in sorted(found)]
     return hazards, n_hgmma
 
 

@@ -20,7 +20,8 @@
 // With one split a CTA writes out and lse itself. Per CTA:
 //   1. Each warp keeps its 16 rows of Q as mma A fragments in registers (unscaled).
 //   2. Key tiles of kKeys slots are gathered from the paged pool with cp.async through a ring of
-//      kStages shared-memory stages, kStages - 1 tiles ahead of the compute, with one CTA barrier
+//      kStages shared-memory stages, kStages - 1 tiles ahead of the compute (kStages - 2 with
+//      wgmma, whose P V of a tile runs during the next tile's softmax), with one CTA barrier
 //      per tile (the 8 warps of a CTA drift apart instead of all doing Q K^T, then all the softmax,
 //      with the tensor pipe idle in between); each warp decides from the tile's positions, with warp
 //      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no

@@ -18,7 +18,8 @@ namespace conduit::kernels::cuda {
 constexpr int32_t kMmaTileKeys = 64;
 
 // Shared-memory stages of the tensor-core key-tile loop (attention_mma_tile.cuh): two tiles in flight
-// behind the one computed. A build-time knob (2 to 8) for measuring, and for sm_80 (see MmaShape).
+// behind the one computed (one with wgmma, where the previous tile's stage is still read). A
+// build-time knob (2 to 8; 3 to 8 for an sm_90a build) for measuring, and for sm_80 (see MmaShape).
 #ifndef CONDUIT_MMA_STAGES
 #define CONDUIT_MMA_STAGES 3
 #endif

@@ -191,12 +191,12 @@ __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, in
 }
 
 // Streams the key tiles [tile_begin, tile_end) of one KV head through a ring of MmaShape::kStages
-// shared-memory stages (cp.async, kStages - 1 tiles ahead of the compute, one CTA barrier per tile:
-// see the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile up to the
+// shared-memory stages (cp.async, kAhead tiles ahead of the compute, one CTA barrier per tile: see
+// the top of this file) and calls on_tile(view, k_tile, tile_pos, tile) for every tile up to the
 // last one the CTA's rows see (k_tile: its swizzled K rows, followed by the V rows when kWithValues;
 // tile_pos: its kKeys positions). A tile no row sees comes with view kTileHidden and no copies in
-// its stage (on_tile returns, after finishing what reads an earlier stage). max_q_pos / min_q_pos: the latest and the earliest query of the CTA's rows
-// (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile, in
+// its stage (on_tile returns, after finishing what reads an earlier stage). max_q_pos / min_q_pos:
+// the latest and the earliest query of the CTA's rows (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile, in
 // the wgmma layout (wgmma.cuh; smem then 1024-byte aligned) when kWgmmaLayout, else swizzled for
 // ldmatrix; pos_smem: kStages * kKeys positions. Call from all threads.
 template <typename T, int kHeadDim, int kWarps, bool kWithValues, bool kWgmmaLayout = false, typename OnTile>
@@ -210,13 +210,15 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     // mask reads them) and, unless it is hidden, issues its copies into the stage.
     //
     // Ordering of the positions (plain shared-memory stores, ordered by the loop's one barrier):
-    // tile u's are stored by warp 0 right after the barrier of iteration u - kStages + 1 (the first
-    // kStages - 1 tiles: before the first barrier) and read by mask_tile in iteration u, after
-    // that iteration's barrier, which warp 0 reaches only after its stores: every warp reads them
+    // tile u's are stored by warp 0 right after the barrier of iteration u - kAhead (the first
+    // kAhead tiles: before the first barrier) and read by mask_tile in iteration u, after that
+    // iteration's barrier, which warp 0 reaches only after its stores: every warp reads them
     // written. The slot they overwrite held tile u - kStages's, read last in the compute of
-    // iteration u - kStages, which every warp finished before arriving at the barrier warp 0 had just
-    // passed. The K/V copies reuse their stage by the same argument, with each thread's
-    // cp.async.wait_group before the barrier in place of program order.
+    // iteration u - kStages <= u - kAhead - 1, which every warp finished before arriving at the
+    // barrier warp 0 had just passed. The K/V copies reuse their stage by the same argument, with
+    // each thread's cp.async.wait_group before the barrier in place of program order (and, with
+    // wgmma, the wait of every product reading the stage inside the on_tile that issued it or the
+    // next one: tile u - kStages = u - 3's last reader, its P V, is waited in on_tile(u - 2)).
     using Blocks = TileBlocks<kHeadDim, S::kThreads, S::kKeys>;
     const auto blocks_of = [&](int32_t tile) { // none for tiles past the split
         return Blocks(p, p.block_table, tile * S::kKeys, tile < tile_end ? p.n_tokens : 0);
@@ -236,7 +238,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     // stays untouched until the barrier of iteration t + 2: on_tile(t + 1) may still read it (the
     // attention's P V product of tile t runs during tile t + 1's softmax).
     constexpr int kAhead = kWgmmaLayout ? S::kStages - 2 : S::kStages - 1;
-    static_assert(kAhead >= 1, "at least one tile ahead");
+    static_assert(kAhead >= 1, "at least one tile ahead: the wgmma build needs CONDUIT_MMA_STAGES >= 3");
     // The views of the tiles in flight, 2 bits each: bits 2k, 2k + 1 are tile + k's (0: hidden, also
     // for tiles past the end).
     uint32_t views = 0;
