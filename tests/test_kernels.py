@@ -327,6 +327,7 @@ def test_the_sass_check_finds_a_register_of_a_running_product_touched_on_some_pa
     assert [(h.address, h.registers) for h in hazards] == [("0050", [48])]
 
 
+@pytest.mark.gpu  # (no GPU needed, but the GPU machine is where cuobjdump and an sm_90a build meet: `-m gpu` runs it)
 def test_the_wgmma_attention_leaves_the_registers_of_a_running_product_alone():
     """The library's sm_90a code (when it has some) touches no A fragment or accumulator of an
     in-flight HGMMA before the wait that retires it: ptxas does not enforce it (tools/check_wgmma_sass.py)."""
