@@ -16,6 +16,7 @@ On the GPU machine (carry ``.ab``): builds every variant in parallel, then per r
 ``tools/bench_prefill_attention.py``) for each variant in turn:
 
     python3 tools/ab_builds.py run --rounds 2 --out $OUT/ab.json
+    python3 tools/ab_builds.py fastest $OUT/ab.json       # the variant to test and benchmark next
 """
 from __future__ import annotations
 
@@ -122,6 +123,18 @@ def print_medians(results: dict, prefill: bool, title: str) -> None:
         print(f"{name:16s} " + " ".join(f"{c:15.1f}" for c in cells) + step_cell, flush=True)
 
 
+def fastest(path: str) -> str:
+    """The variant of an A/B JSON with the least sum of its rows' medians (and, for decode, its
+    step's): the one a call goes on to test and benchmark."""
+    variants = json.load(open(path))["variants"]
+
+    def total(r: dict) -> float:
+        rows = sum(statistics.median(row[k] for row in r["rows_us"]) for k in r["rows_us"][0])
+        return rows + (statistics.median(r["step_ms"]) * 1e3 if r.get("step_ms") else 0.0)
+
+    return min(variants, key=lambda name: total(variants[name]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,9 +145,13 @@ def main() -> None:
     r.add_argument("--out", default="ab.json")
     r.add_argument("--prefill", action="store_true",
                    help="measure the many-query attention (tools/bench_prefill_attention.py) instead of decode")
+    b = sub.add_parser("fastest", help="print the fastest variant of a run's JSON (sum of the medians)")
+    b.add_argument("json")
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.variants)
+    elif args.command == "fastest":
+        print(fastest(args.json))
     else:
         run(args.rounds, args.out, args.prefill)
 
