@@ -165,6 +165,8 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
     // pending P V; waits for S alone (wgmma groups end in order), takes the softmax; then waits for
     // P V, rescales O and leaves its own P pending. The loop keeps a tile's stage until tile + 1's
     // on_tile has returned (for_each_key_tile); a hidden tile finishes the pending product at once.
+    // P is packed into p_frag only after the P V wait: p_frag is that product's A operand until then,
+    // and ptxas keeps no other value out of its registers (wgmma_accumulate_pv; the SASS test).
     uint32_t p_frag[S::kKeyTiles / 2][4];
     const uint4 *pending_v = nullptr; // the V tile of the P in p_frag, whose product is not issued yet
     const auto finish_pending = [&] {
