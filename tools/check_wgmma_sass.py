@@ -62,6 +62,16 @@ def find_cuobjdump() -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
+def dump_sass(tool: str, binary: str) -> str | None:
+    """cuobjdump -sass of a cubin or library; None when it holds no device code (a CPU-only build)."""
+    done = subprocess.run([tool, "-sass", binary], capture_output=True, text=True)
+    if "does not contain device code" in done.stdout + done.stderr:
+        return None
+    if done.returncode:
+        raise RuntimeError(f"cuobjdump failed on {binary}: {done.stderr.strip()}")
+    return done.stdout
+
+
 def _registers(operand: str, width: int = 1) -> set[int]:
     regs: set[int] = set()
     for m in REGISTER.finditer(operand):
@@ -169,7 +179,9 @@ def main() -> int:
     tool = find_cuobjdump()
     if tool is None:
         sys.exit("no cuobjdump found (set CUOBJDUMP)")
-    sass = subprocess.run([tool, "-sass", args.binary], check=True, capture_output=True, text=True).stdout
+    sass = dump_sass(tool, args.binary)
+    if sass is None:
+        sys.exit(f"{args.binary} holds no device code")
     hazards, n_hgmma = scan(sass)
     for h in hazards:
         print(f"{h.function}: {h.address}: {h.instruction}  ({h.kind} of in-flight R{h.registers})")

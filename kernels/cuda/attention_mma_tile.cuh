@@ -196,9 +196,10 @@ __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, in
 // last one the CTA's rows see (k_tile: its swizzled K rows, followed by the V rows when kWithValues;
 // tile_pos: its kKeys positions). A tile no row sees comes with view kTileHidden and no copies in
 // its stage (on_tile returns, after finishing what reads an earlier stage). max_q_pos / min_q_pos:
-// the latest and the earliest query of the CTA's rows (min_q_pos = INT32_MIN keeps every tile masked). smem: kStages stages of one K (and V) tile, in
-// the wgmma layout (wgmma.cuh; smem then 1024-byte aligned) when kWgmmaLayout, else swizzled for
-// ldmatrix; pos_smem: kStages * kKeys positions. Call from all threads.
+// the latest and the earliest query of the CTA's rows (min_q_pos = INT32_MIN keeps every tile
+// masked). smem: kStages stages of one K (and V) tile, in the wgmma layout (wgmma.cuh; smem then
+// 1024-byte aligned) when kWgmmaLayout, else swizzled for ldmatrix; pos_smem: kStages * kKeys
+// positions. Call from all threads.
 template <typename T, int kHeadDim, int kWarps, bool kWithValues, bool kWgmmaLayout = false, typename OnTile>
 __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int32_t kv_head, int32_t tile_begin,
                                                   int32_t tile_end, int32_t max_q_pos, int32_t min_q_pos, uint4 *smem,

@@ -77,12 +77,6 @@ __device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, i
     return min(min((n_tokens - 1 - begin) / tile_rows, n_tiles), ahead);
 }
 
-// The step's new K and V rows (AttentionParams::new_k) of sequence qi and KV head kv_head into its
-// last slot (n_tokens - 1, through its block table `table`), K rotated as write_last rotates it
-// (rope.cuh: the same bits), V as is. Every CTA whose split holds that slot writes the row before it
-// loads it (the head tiles of one KV head write the same bytes), so no other kernel has to run
-// between the projection and the attention. Call from every thread; the __syncthreads() after it
-// makes the row visible to the CTA's own loads.
 // The first and the last slot of [begin, end) visible at q_position (positions[slot] <= q_position;
 // last = -1 when none is): one scan of the positions, 4 bytes a slot, coalesced, against the K and V
 // rows a slot outside them would stream. Both many-query kernels narrow their key range with it
@@ -120,6 +114,12 @@ __device__ __forceinline__ SlotBounds visible_slot_bounds(const int32_t *positio
     return {first, last};
 }
 
+// The step's new K and V rows (AttentionParams::new_k) of sequence qi and KV head kv_head into its
+// last slot (n_tokens - 1, through its block table `table`), K rotated as write_last rotates it
+// (rope.cuh: the same bits), V as is. Every CTA whose split holds that slot writes the row before it
+// loads it (the head tiles of one KV head write the same bytes), so no other kernel has to run
+// between the projection and the attention. Call from every thread; the __syncthreads() after it
+// makes the row visible to the CTA's own loads.
 template <typename T>
 __device__ void write_new_row(const AttentionParams &p, const int32_t *table, int32_t qi, int32_t kv_head,
                               int32_t n_tokens) {
