@@ -325,6 +325,14 @@ def test_the_sass_check_finds_a_register_of_a_running_product_touched_on_some_pa
                        "FMUL R16, R16, R2", "FMUL R48, R48, R2", "EXIT")
     hazards, _ = check.scan(two_groups)
     assert [(h.address, h.registers) for h in hazards] == [("0050", [48])]
+    # A path that traps ends there: its fall-through into the next instructions is no path at all
+    # (a branch over the wait to a trap, as a guard of an impossible value compiles).
+    trapped = _sass(*issue, "@!P0 BRA 0x0060", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "FADD R60, R17, R61", "EXIT",
+                    "BPT.TRAP 0x1", "FADD R60, R17, R61", "EXIT")
+    hazards, _ = check.scan(trapped)
+    assert hazards == []
+    not_trapped = trapped.replace("BPT.TRAP 0x1", "NOP")
+    assert [h.address for h in check.scan(not_trapped)[0]] == ["0070"]
 
 
 @pytest.mark.gpu  # (no GPU needed, but the GPU machine is where cuobjdump and an sm_90a build meet: `-m gpu` runs it)

@@ -115,7 +115,8 @@ def _successors(code: list[tuple[int, str]], index: dict[int, int], i: int) -> l
     if opcode.startswith("BRA"):
         target = [index[int(re.search(r"0x([0-9a-f]+)\s*$", text).group(1), 16)]]
         return target + ([i + 1] if predicated or opcode.startswith("BRA.DIV") else [])
-    if opcode.startswith(("EXIT", "RET")) and not predicated:
+    # A trap ends the grid (`__trap()` on a path that must never run, e.g. guarding an impossible value).
+    if opcode.startswith(("EXIT", "RET", "BPT.TRAP")) and not predicated:
         return []
     return [i + 1] if i + 1 < len(code) else []
 
