@@ -1,3 +1,9 @@
+"""(twelfth session, a record) Sums the stall counts that ptxas wrote into the control bits of each
+SASS instruction (bits 41..44 of the high word: the cycles the scheduler waits before the warp's
+next instruction) over an address range of a `cuobjdump -sass` listing, by opcode:
+
+    python3 sass_stalls.py kernel.sass 3380 6b30 [v]     # hex addresses; v lists each instruction
+"""
 import re,sys
 lines=open(sys.argv[1]).read().splitlines()
 ins=[]
