@@ -5,8 +5,10 @@
 // by the tensor core, Q and P from registers; a tile's P V runs during the next tile's softmax, as in
 // FlashAttention-3). Measured on an H200 against the mma.sync build of the same tree
 // (docs/benchmarks/runs.md, tenth session): a 4K prefill chunk 628 -> 534 us, CONDUIT's recompute
-// 402 -> 346 us (GQA) and 212 -> 182 us (MHA); the pipeline, 487 -> 470 us on the chunk (eleventh).
-// Everything else (rows, tiles, softmax, masks, splits) is the same code on both.
+// 402 -> 346 us (GQA) and 212 -> 182 us (MHA); the pipeline, 487 -> 470 us on the chunk (eleventh);
+// CTAs of 8 warps with a producer warpgroup that gathers the key tiles (warp specialization,
+// for_each_key_tile_specialized; a build-time choice for now, kMmaProducerWarps), 469 -> 426 us
+// (thirteenth). Everything else (rows, tiles, softmax, masks, splits) is the same code on both.
 //
 // Rows are (query, head) pairs of one KV head: row r = query r / group, head r % group of the
 // group, so each K/V tile in shared memory serves every query head of the group. Grid: x = tile of
@@ -26,6 +28,9 @@
 //      with the tensor pipe idle in between); each warp decides from the tile's positions, with warp
 //      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no
 //      row can see is zero-filled (its K/V may be garbage or NaN and must not reach the arithmetic).
+//      With wgmma and CONDUIT_MMA_PRODUCER=1, a CTA of 8 warps has a fourth warpgroup that does the
+//      gathering and the votes alone, handing tiles over through shared-memory barriers (no CTA
+//      barrier a tile); CTAs of 4 warps keep the loop above (kMmaProducerWarps).
 //   3. S = Q K^T (ldmatrix from the swizzled K tile, or one wgmma per 16 dims), masked per element by position
 //      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA
 //      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),
@@ -81,29 +86,43 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
     }
 }
 
-// Dynamic shared memory of the kernel: its stages (MmaShape::kSmemBytes) and room to align them to
-// the wgmma tile (on sm_90a the K/V tiles are wgmma operands; elsewhere the slack is unused).
-template <int kHeadDim, int kWarps>
-constexpr size_t kMmaAttentionSmemBytes = MmaShape<kHeadDim, kWarps>::kSmemBytes + kWgmmaTileAlign;
+// The CTA's warps besides its kWarps of rows: with wgmma and 8 warps, the producer warpgroup that
+// gathers the key tiles (for_each_key_tile_specialized), in builds with CONDUIT_MMA_PRODUCER=1.
+// Device code built for sm_90a has it, the rest not; the host learns which from the launch bound of
+// the kernel it would run (MmaKernel::threads). CTAs of 4 warps keep the CTA-barrier loop: two of
+// them share an SM, which the producer's registers would not leave room for.
+// Off by default until it has passed what main's kernels pass on the GPU: measured on an H200 (lane-0
+// arrivals) a 4K chunk 469 -> 426 us, its kernel tests and memcheck clean, but racecheck reported
+// the positions' hand-over through the mbarriers (per-thread arrivals, the default here, are meant
+// to answer that; not yet run on a GPU): docs/design-notes.md.
+#ifndef CONDUIT_MMA_PRODUCER
+#define CONDUIT_MMA_PRODUCER 0
+#endif
+template <int kWarps> constexpr int kMmaProducerWarps = CONDUIT_WGMMA && CONDUIT_MMA_PRODUCER && kWarps == 8 ? 4 : 0;
 
 template <typename T, int kHeadDim, int kWarps>
-__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads + 32 * kMmaProducerWarps<kWarps>,
+                                  kMmaProducerWarps<kWarps> ? 1 : 0) // (setmaxnreg needs the count at entry)
+    mma_attention_kernel(const AttentionParams p) {
     using S = MmaShape<kHeadDim, kWarps>;
     extern __shared__ uint4 mma_smem_raw[];
     // (offset from the array, not a rebuilt address: the compiler keeps knowing it is shared memory)
     const uint32_t misalign = static_cast<uint32_t>(__cvta_generic_to_shared(mma_smem_raw)) % kWgmmaTileAlign;
     uint4 *mma_smem = mma_smem_raw + (misalign ? (kWgmmaTileAlign - misalign) / 16 : 0);
-    int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);
     const int32_t kv_head = blockIdx.y, split = blockIdx.z;
     const int32_t first_row = (gridDim.x - 1 - blockIdx.x) * S::kRows;
+    const bool producer = kMmaProducerWarps<kWarps> > 0 && threadIdx.x >= S::kThreads; // it has no rows
+    if constexpr (kMmaProducerWarps<kWarps> > 0) // without its producer the CTA would wait for tiles forever
+        if (blockDim.x != S::kThreads + 32 * kMmaProducerWarps<kWarps>) __trap(); // MmaKernel::threads() misread it
 
-    const WarpRows rows = warp_rows<kHeadDim>(p, kv_head, first_row);
+    WarpRows rows = warp_rows<kHeadDim>(p, kv_head, first_row);
+    if (producer) rows.valid[0] = rows.valid[1] = false;
     uint32_t q_frag[S::kDimSteps][4];
     load_q<kHeadDim>(p, rows, q_frag);
     int32_t min_q_pos, max_q_pos;
-    cta_q_pos_range<kWarps>(rows, min_q_pos, max_q_pos);
+    cta_q_pos_range<kWarps + kMmaProducerWarps<kWarps>>(rows, min_q_pos, max_q_pos);
     // Rows past the end of the queries hold q = 0 and are never stored: they need no mask either.
-    const bool all_rows_valid = __syncthreads_and(rows.valid[0] && rows.valid[1]);
+    const bool all_rows_valid = __syncthreads_and(producer || (rows.valid[0] && rows.valid[1]));
     if (!all_rows_valid) min_q_pos = INT32_MIN; // keep every tile masked: simpler than reasoning about them
 
     float acc[S::kDimTiles][4];
@@ -226,8 +245,18 @@ __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads) mma_atte
         }
     };
 #endif
-    for_each_key_tile<T, kHeadDim, kWarps, true, bool(CONDUIT_WGMMA)>(p, kv_head, tile_begin, tile_end, max_q_pos,
-                                                                      min_q_pos, mma_smem, pos_smem, on_tile);
+#if CONDUIT_WGMMA
+    if constexpr (kMmaProducerWarps<kWarps> > 0) {
+        if (!for_each_key_tile_specialized<T, kHeadDim, kWarps>(p, kv_head, tile_begin, tile_end, max_q_pos,
+                                                                min_q_pos, mma_smem, on_tile))
+            return; // the producer
+    } else
+#endif
+    {
+        int32_t *pos_smem = reinterpret_cast<int32_t *>(mma_smem + S::kStages * S::kStageChunks);
+        for_each_key_tile<T, kHeadDim, kWarps, true, bool(CONDUIT_WGMMA)>(p, kv_head, tile_begin, tile_end, max_q_pos,
+                                                                          min_q_pos, mma_smem, pos_smem, on_tile);
+    }
 #if CONDUIT_WGMMA
     finish_pending(); // the last tile's P V
 #endif
@@ -240,13 +269,11 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
     static constexpr auto kernel = &mma_attention_kernel<T, kHeadDim, kWarps>;
 
     // Launches it for p: row tiles x KV heads x p.n_splits (at least one) CTAs.
-    static constexpr size_t kSmemBytes = kMmaAttentionSmemBytes<kHeadDim, kWarps>;
-
     static void launch(const AttentionParams &p, cudaStream_t stream) {
-        allow_dynamic_smem<kernel>(kSmemBytes);
+        allow_dynamic_smem<kernel>(smem_bytes());
         const dim3 grid{unsigned(mma_attention_base_ctas(p, kWarps) / p.n_kv_heads), unsigned(p.n_kv_heads),
                         unsigned(std::max(p.n_splits, 1))};
-        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, S::kThreads, kSmemBytes, stream>>>(p);
+        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, threads(), smem_bytes(), stream>>>(p);
         CUDA_CHECK_LAUNCH("mma_attention_kernel");
     }
 
@@ -256,13 +283,40 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
         static std::atomic<int> cached{0};
         int n = cached.load();
         if (n == 0) {
-            allow_dynamic_smem<kernel>(kSmemBytes); // the occupancy counts only the smem it is allowed
+            allow_dynamic_smem<kernel>(smem_bytes()); // the occupancy counts only the smem it is allowed
             CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void *>(kernel),
-                                                                     S::kThreads, kSmemBytes));
+                                                                     threads(), smem_bytes()));
             n = std::max(n, 1);
             cached.store(n);
         }
         return n;
+    }
+
+    // Dynamic shared memory: the stages of the path the device runs (MmaShape, or the producer's
+    // SpecializedRing), and room to align them to the wgmma tile (on sm_90a the K/V tiles are wgmma
+    // operands; elsewhere the slack is unused).
+    static size_t smem_bytes() {
+        const bool producer = threads() > S::kThreads;
+        return (producer ? SpecializedRing<kHeadDim, kWarps>::kBytes : S::kSmemBytes) + kWgmmaTileAlign;
+    }
+
+    // Threads a CTA: kThreads, and the producer warpgroup where the device runs code built for sm_90a
+    // (kMmaProducerWarps), which the kernel's launch bound tells: queried once.
+    static unsigned threads() {
+#ifdef CONDUIT_CUDA_EMULATION
+        return S::kThreads + 32 * kMmaProducerWarps<kWarps>; // one build, host and device
+#else
+        static std::atomic<int> cached{0};
+        int n = cached.load();
+        if (n == 0) {
+            cudaFuncAttributes attributes{};
+            CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void *>(kernel)));
+            constexpr int kWithProducer = S::kThreads + 32 * 4; // kMmaProducerWarps<kWarps> of an sm_90a build
+            n = kWarps == 8 && attributes.maxThreadsPerBlock == kWithProducer ? kWithProducer : S::kThreads;
+            cached.store(n);
+        }
+        return unsigned(n);
+#endif
     }
 };
 

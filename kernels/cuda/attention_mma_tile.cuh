@@ -97,13 +97,15 @@ __device__ __forceinline__ TileSlots tile_slots(const AttentionParams &p, int32_
 
 // The rows of a key tile of kKeys slots that one of kThreads threads copies (kHeadDim / 8 16-byte
 // chunks a row of K or V, shared out in order): rows first_row + i * kRowStride for i < kChunks, the
-// same chunk of each.
-template <int kHeadDim, int kThreads, int kKeys> struct TileRowsOfThread {
+// same chunk of each. The copying threads are kFirstThread .. kFirstThread + kThreads - 1 of the CTA
+// (the attention's producer warpgroup starts past the warps that compute).
+template <int kHeadDim, int kThreads, int kKeys, int kFirstThread = 0> struct TileRowsOfThread {
     static constexpr int kRowChunks = kHeadDim / 8;
-    static_assert(kThreads % kRowChunks == 0, "a thread copies the same chunk of every row it takes");
+    static_assert(kThreads % kRowChunks == 0 && kFirstThread % kRowChunks == 0,
+                  "a thread copies the same chunk of every row it takes");
     static constexpr int kRowStride = kThreads / kRowChunks;
     static constexpr int kChunks = kKeys * kRowChunks / kThreads;
-    static __device__ __forceinline__ int32_t first_row() { return int32_t(threadIdx.x) / kRowChunks; }
+    static __device__ __forceinline__ int32_t first_row() { return (int32_t(threadIdx.x) - kFirstThread) / kRowChunks; }
     static __device__ __forceinline__ int32_t chunk() { return int32_t(threadIdx.x) % kRowChunks; }
 };
 
@@ -111,8 +113,8 @@ template <int kHeadDim, int kThreads, int kKeys> struct TileRowsOfThread {
 // (table[slot >> block_shift]; 0 for slots at or past n_slots, which are never read). Loaded apart
 // from the copies so that a loop can read them a tile early, and so that all of a thread's table
 // reads are in flight at once (predicated, not branched around).
-template <int kHeadDim, int kThreads, int kKeys> struct TileBlocks {
-    using Rows = TileRowsOfThread<kHeadDim, kThreads, kKeys>;
+template <int kHeadDim, int kThreads, int kKeys, int kFirstThread = 0> struct TileBlocks {
+    using Rows = TileRowsOfThread<kHeadDim, kThreads, kKeys, kFirstThread>;
     int32_t block[Rows::kChunks];
 
     __device__ __forceinline__ TileBlocks(const AttentionParams &p, const int32_t *table, int32_t tile_start,
@@ -279,6 +281,176 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     cp_async_wait<0>(); // nothing is in flight here (tiles past the trimmed end hold no visible slot,
                         // so they issued no copies): a guard should that change
 }
+
+
+// The shape of for_each_key_tile_specialized's CTA (below; sm_90a only): its threads, their register
+// budgets and its shared memory, which the host sizes launches with. Build-time knobs for A/B runs:
+// CONDUIT_PRODUCER_STAGES, CONDUIT_PRODUCER_UNROLL (on an H200, 4 stages and 8 rows at once beat 3
+// and 4: 426 against 445 us on a 4K chunk, lane-0 arrivals) and CONDUIT_PRODUCER_THREAD_ARRIVALS
+// (kThreadArrivals; not yet measured against lane-0 arrivals).
+#ifndef CONDUIT_PRODUCER_STAGES
+#define CONDUIT_PRODUCER_STAGES 4
+#endif
+#ifndef CONDUIT_PRODUCER_UNROLL
+#define CONDUIT_PRODUCER_UNROLL 8
+#endif
+#ifndef CONDUIT_PRODUCER_THREAD_ARRIVALS
+#define CONDUIT_PRODUCER_THREAD_ARRIVALS 1
+#endif
+template <int kHeadDim, int kWarps> struct SpecializedRing {
+    using S = MmaShape<kHeadDim, kWarps>;
+    static constexpr int kStages = CONDUIT_PRODUCER_STAGES;
+    static_assert(kStages >= 3, "on_tile(t) still reads tile t - 1's stage: 3 stages or more");
+    static constexpr int kProducerThreads = 128;
+    static constexpr int kThreads = S::kThreads + kProducerThreads;
+    static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+    static_assert(kWarps != 8 || S::kThreads * kConsumerRegisters + kProducerThreads * kProducerRegisters <=
+                                     kThreads * (65536 / kThreads / 8 * 8),
+                  "the register budgets fit the CTA's");
+    static constexpr int kCopyUnroll = CONDUIT_PRODUCER_UNROLL; // rows a producer thread copies at once
+    // Every thread that wrote or read a stage's positions arrives itself (else one lane a warp, after
+    // __syncwarp): the barriers' counts.
+    static constexpr bool kThreadArrivals = CONDUIT_PRODUCER_THREAD_ARRIVALS;
+    static constexpr int kFullArrivals = kProducerThreads + (kThreadArrivals ? 32 : 1);
+    static constexpr int kEmptyArrivals = kThreadArrivals ? S::kThreads : kWarps;
+    // Bytes: the K/V stages, then each stage's positions, its view, then the full and the empty
+    // barriers of every stage.
+    static constexpr size_t kPositionOffset = size_t(kStages) * S::kStageChunks * 16;
+    static constexpr size_t kViewOffset = kPositionOffset + size_t(kStages) * S::kKeys * 4;
+    static constexpr size_t kBarrierOffset = (kViewOffset + size_t(kStages) * 4 + 7) / 8 * 8;
+    static constexpr size_t kBytes = kBarrierOffset + 2 * size_t(kStages) * sizeof(uint64_t);
+};
+
+#if CONDUIT_WGMMA
+// The key-tile loop of the wgmma attention with a producer warpgroup (warp specialization, as in
+// FlashAttention-3). In for_each_key_tile the warps that compute also copy their tiles (~200 of a
+// warp's ~600 instructions a 64-key tile) and meet at a CTA barrier every tile; leaving both out made
+// a 4K prefill chunk 16% faster on an H200 (timing probes, docs/benchmarks/runs.md, twelfth session).
+// Here a fourth warpgroup (threads kThreads .. kThreads + 127) gathers the tiles, and the kWarps
+// consumer warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier
+// proved:
+//   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc
+//     (it fires when the thread's copies have landed), and lane 0 of the producer's first warp,
+//     which stores the tile's positions and view, arrives once more after them (mbarrier.arrive
+//     releases them; the consumers' wait acquires them): count kProducerThreads + 1.
+//   empty[s]: every consumer warp is done with the tile stage s held (count kWarps): a warp arrives
+//     for tile t - 1 once on_tile(t) has returned (on_tile(t) waits for tile t - 1's P V; tile t's
+//     own reads are behind its S wait), and the producer waits for it before refilling the stage.
+// Ring tile m = tile - tile_begin uses stage m % kStages in phase m / kStages of both barriers. The
+// producer fills every stage before the positions scan (visible_tile_end, all threads), then runs as
+// far ahead as the empty barriers let it: kStages - 2 tiles ahead of the tile being computed. The
+// producer is on the consumers' critical path whenever it falls behind (Nsight Compute on an H200:
+// with its table reads one row at a time, the consumers spent 9% of their samples waiting on full),
+// so a tile's positions are read before the wait that precedes its copies, and its pool blocks all
+// at once after it (with them read early too, the producer needs more registers than 56). Tiles past the scan's end
+// hold no visible slot, so they got no copies; the producer waits for its last copies before it
+// leaves. Registers: the CTA's 384 threads start at 168 (the launch bound); the producer gives all
+// but kProducerRegisters back and the consumers take them (SpecializedRing). Arguments as
+// for_each_key_tile's (K and V in the wgmma layout; smem holds SpecializedRing::kBytes). Call from
+// all threads; only the consumers call on_tile, and only they return true.
+template <typename T, int kHeadDim, int kWarps, typename OnTile>
+__device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionParams &p, int32_t kv_head,
+                                                              int32_t tile_begin, int32_t tile_end, int32_t max_q_pos,
+                                                              int32_t min_q_pos, uint4 *smem, OnTile &&on_tile) {
+    using S = MmaShape<kHeadDim, kWarps>;
+    using Ring = SpecializedRing<kHeadDim, kWarps>;
+    unsigned char *bytes = reinterpret_cast<unsigned char *>(smem);
+    int32_t *pos_smem = reinterpret_cast<int32_t *>(bytes + Ring::kPositionOffset);
+    int32_t *view_smem = reinterpret_cast<int32_t *>(bytes + Ring::kViewOffset);
+    uint64_t *full = reinterpret_cast<uint64_t *>(bytes + Ring::kBarrierOffset), *empty = full + Ring::kStages;
+    const int32_t lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < Ring::kStages; ++s) {
+            mbarrier_init(full + s, Ring::kFullArrivals);
+            mbarrier_init(empty + s, Ring::kEmptyArrivals);
+        }
+    }
+    __syncthreads(); // the barriers exist before anyone arrives
+
+    // The two roles part here for good: each calls the scan's CTA barrier from its own branch (the
+    // branches are warp-uniform), so that no code the consumers run with their registers live is
+    // also the producer's, whose budget is small.
+    if (threadIdx.x >= S::kThreads) {
+        registers_decrease<Ring::kProducerRegisters>();
+        using Blocks = TileBlocks<kHeadDim, Ring::kProducerThreads, S::kKeys, S::kThreads>;
+        using Rows = TileRowsOfThread<kHeadDim, Ring::kProducerThreads, S::kKeys, S::kThreads>;
+        const bool publisher = threadIdx.x < S::kThreads + 32; // the producer's first warp
+        // What the tile shows the CTA (each warp works it out for its copies), its positions and
+        // view (the first warp), its copies (unless hidden): the rows and layout of copy_key_tile,
+        // the pool blocks of all of a thread's rows read at once, then kCopyUnroll rows' copies at a
+        // time (registers for all of them would come out of the consumers').
+        const auto fill_stage = [&](int32_t tile, LanePositions pos, int stage) {
+            const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
+            if (publisher) {
+                pos_smem[stage * S::kKeys + lane] = pos.lo;
+                pos_smem[stage * S::kKeys + 32 + lane] = pos.hi;
+                if (lane == 0) view_smem[stage] = int32_t(slots.view);
+                if constexpr (Ring::kThreadArrivals) {
+                    mbarrier_arrive(full + stage); // releases this lane's stores
+                } else {
+                    __syncwarp(); // the warp's stores, before lane 0's release
+                    if (lane == 0) mbarrier_arrive(full + stage);
+                }
+            }
+            if (slots.view != kTileHidden) {
+                const Blocks blocks(p, p.block_table, tile * S::kKeys, tile < tile_end ? p.n_tokens : 0);
+                const T *pool = static_cast<const T *>(p.pool);
+                const int32_t head_row = kv_head << p.block_shift, slot_mask = (1 << p.block_shift) - 1;
+                const int32_t chunk = Rows::chunk();
+                uint4 *dst_k = smem + stage * S::kStageChunks;
+#pragma unroll Ring::kCopyUnroll
+                for (int i = 0; i < Rows::kChunks; ++i) {
+                    const int32_t row = Rows::first_row() + i * Rows::kRowStride;
+                    const bool seen = ((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u;
+                    const uint32_t in_block =
+                        uint32_t((head_row + ((tile * S::kKeys + row) & slot_mask)) * kHeadDim + chunk * 8);
+                    const T *k_src =
+                        pool + (uint64_t(uint32_t(blocks.block[i])) * uint32_t(p.block_elems) + in_block);
+                    const int dst = wgmma_tile_chunk<S::kKeys, S::kRowChunks>(row, chunk);
+                    cp_async16(dst_k + dst, k_src, seen);
+                    cp_async16(dst_k + S::kTileChunks + dst, k_src + p.v_delta, seen);
+                }
+            }
+            cp_async_mbarrier_arrive(full + stage);
+        };
+#pragma unroll 1
+        for (int m = 0; m < Ring::kStages && tile_begin + m < tile_end; ++m) // every stage is free: fill them
+            fill_stage(tile_begin + m, lane_positions<S::kKeys>(p, tile_begin + m, tile_end), m);
+        tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
+        LanePositions next_pos = lane_positions<S::kKeys>(p, tile_begin + Ring::kStages, tile_end);
+        int stage = 0;
+#pragma unroll 1
+        for (int32_t tile = tile_begin + Ring::kStages; tile < tile_end; ++tile) {
+            const LanePositions pos = next_pos;
+            mbarrier_wait(empty + stage, uint32_t((tile - tile_begin) / Ring::kStages - 1) & 1u);
+            fill_stage(tile, pos, stage);
+            next_pos = lane_positions<S::kKeys>(p, tile + 1, tile_end); // lands during the next wait
+            stage = stage + 1 == Ring::kStages ? 0 : stage + 1;
+        }
+        cp_async_wait<0>(); // no copy may land in a stage after the CTA has left
+        return false;
+    }
+    registers_increase<Ring::kConsumerRegisters>();
+    tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
+    int stage = 0, previous_stage = Ring::kStages - 1; // tile's and tile - 1's
+    for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
+        mbarrier_wait(full + stage, uint32_t((tile - tile_begin) / Ring::kStages) & 1u);
+        fence_async_shared(); // the copies' generic-proxy writes, before wgmma's async-proxy reads
+        on_tile(TileView(view_smem[stage]), smem + stage * S::kStageChunks, pos_smem + stage * S::kKeys, tile);
+        if (tile > tile_begin) { // this thread is done with tile - 1
+            if constexpr (Ring::kThreadArrivals) {
+                mbarrier_arrive(empty + previous_stage);
+            } else {
+                __syncwarp(); // every lane of the warp is
+                if (lane == 0) mbarrier_arrive(empty + previous_stage);
+            }
+        }
+        previous_stage = stage;
+        stage = stage + 1 == Ring::kStages ? 0 : stage + 1;
+    }
+    return true;
+}
+#endif // CONDUIT_WGMMA
 
 
 // Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.

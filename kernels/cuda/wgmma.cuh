@@ -83,6 +83,40 @@ template <int kN> __device__ __forceinline__ void wgmma_fence_operands(float (&d
 // proxy that wgmma reads through; then a barrier publishes them to the warpgroup.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Moves this warpgroup's register budget to kRegisters a thread (a multiple of 8 in 24..256), for the
+// code that follows: a producer warpgroup that only copies gives registers back (dec), and the
+// warpgroups of the products take them (inc; it waits until the CTA's pool has them). All threads of
+// the warpgroup execute it.
+template <int kRegisters> __device__ __forceinline__ void registers_decrease() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters> __device__ __forceinline__ void registers_increase() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// Shared-memory barriers (mbarrier) of the specialized key-tile loop (attention_mma_tile.cuh): a phase
+// completes when `count` arrivals have come; waiters ask for the phase of a given parity.
+__device__ __forceinline__ uint32_t smem_address(const void *p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbarrier_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
+}
+// Arrives on bar once every cp.async this thread issued so far has landed (no wait here; the
+// barrier's count includes this arrival: .noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
+}
+// Waits until the phase of parity `parity` of bar has completed (acquire: its arrivals' writes are visible).
+__device__ __forceinline__ void mbarrier_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n" // (a label in braces is local to them)
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(smem_address(bar)),
+                 "r"(parity)
+                 : "memory");
+}
+
 #define CONDUIT_WGMMA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
                             "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define CONDUIT_WGMMA_D32(i) CONDUIT_WGMMA_D8(i), CONDUIT_WGMMA_D8(i + 8), CONDUIT_WGMMA_D8(i + 16), CONDUIT_WGMMA_D8(i + 24)
@@ -127,6 +161,12 @@ inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 template <int kPending> void wgmma_wait() {}
 inline void fence_async_shared() {}
+template <int kRegisters> void registers_decrease() {}
+template <int kRegisters> void registers_increase() {}
+inline void mbarrier_init(uint64_t *bar, uint32_t count) { emu::mbarrier_init(bar, count); }
+inline void mbarrier_arrive(uint64_t *bar) { emu::mbarrier_arrive(bar); }
+inline void cp_async_mbarrier_arrive(uint64_t *bar) { emu::cp_async_mbarrier_arrive(bar); }
+inline void mbarrier_wait(uint64_t *bar, uint32_t parity) { emu::mbarrier_wait(bar, parity); }
 template <int kN> void wgmma_fence_operands(float (&)[kN]) {}
 template <typename T, int kN, bool kTransB, bool kAccumulate> struct WgmmaRS {
     static void run(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t b) {

@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <random>
 
@@ -117,8 +118,17 @@ struct Warpgroup {
     uint32_t a[128][4] = {};
 };
 
+// A shared-memory barrier (mbarrier): arrivals of the phase in progress, completed phases, the copies
+// that land when the phase completes, and the fibers waiting for it.
+struct MBarrier {
+    uint32_t count = 0, arrived = 0, completed = 0;
+    std::vector<PendingCopy> landing;
+    std::vector<Fiber *> waiting;
+};
+
 struct Block {
     Barrier barrier;
+    std::map<const uint64_t *, MBarrier> mbarriers; // by address
     std::vector<Warp> warps;
     std::vector<Warpgroup> warpgroups;
     std::vector<unsigned char> flags; // one per thread, for block_any
@@ -128,6 +138,11 @@ struct Block {
 ThreadContext &ctx() { return g_current->thread; }
 void *dynamic_smem() { return g_current->thread.block->dynamic; }
 void sync_block() { arrive(g_current->thread.block->barrier, "__syncthreads"); }
+
+void sync_warp() {
+    Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];
+    arrive(w.barrier, "__syncwarp");
+}
 
 uint64_t warp_exchange(uint64_t mine, int src_lane) {
     Warp &w = g_current->thread.block->warps[size_t(g_current->thread.linear / 32)];
@@ -280,6 +295,57 @@ void cp_wait(int pending) {
     while (int(groups.size()) > pending) {
         for (const PendingCopy &c : groups.front()) perform(c);
         groups.erase(groups.begin());
+    }
+}
+
+MBarrier &mbarrier_at(const uint64_t *bar) {
+    auto &all = g_current->thread.block->mbarriers;
+    auto it = all.find(bar);
+    if (it == all.end()) {
+        std::fprintf(stderr, "emu: mbarrier used before mbarrier_init\n");
+        std::abort();
+    }
+    return it->second;
+}
+
+void mbarrier_init(uint64_t *bar, uint32_t count) {
+    MBarrier &m = g_current->thread.block->mbarriers[bar];
+    m = MBarrier{};
+    m.count = count;
+}
+
+void mbarrier_arrive(uint64_t *bar) {
+    MBarrier &m = mbarrier_at(bar);
+    if (++m.arrived < m.count) return;
+    for (const PendingCopy &c : m.landing) perform(c);
+    m.landing.clear();
+    m.arrived = 0;
+    ++m.completed;
+    for (Fiber *f : m.waiting) f->waiting = false;
+    m.waiting.clear();
+}
+
+void cp_async_mbarrier_arrive(uint64_t *bar) {
+    MBarrier &m = mbarrier_at(bar);
+    Fiber *self = g_current;
+    for (auto &group : self->groups) m.landing.insert(m.landing.end(), group.begin(), group.end());
+    m.landing.insert(m.landing.end(), self->open.begin(), self->open.end());
+    self->groups.clear();
+    self->open.clear();
+    mbarrier_arrive(bar);
+}
+
+void mbarrier_wait(uint64_t *bar, uint32_t parity) {
+    // The phase in progress has the parity of the phases completed so far; the one asked for is over
+    // when that differs from it.
+    for (;;) {
+        MBarrier &m = mbarrier_at(bar);
+        if ((m.completed & 1u) != (parity & 1u)) return;
+        Fiber *self = g_current;
+        self->waiting = true;
+        self->waiting_at = "mbarrier";
+        m.waiting.push_back(self);
+        swapcontext(&self->context, &g_scheduler);
     }
 }
 

@@ -28,6 +28,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -78,6 +80,14 @@ size_t shared_offset(const void *p);
 // rows as mma.m16n8k16's A fragments) * B (16 x n, read through `desc`: 128-byte swizzle, K-major
 // or, with trans_b, MN-major, as the PTX ISA's canonical layouts).
 void wgmma_rs(float *d, int n, const uint32_t *a, uint64_t desc, bool accumulate, bool trans_b, bool bf16);
+// Shared-memory barriers (mbarrier). A phase completes at its count-th arrival. cp.async copies that a
+// thread ties to one (cp_async_mbarrier_arrive) land only when that phase completes, so a reader that
+// skips the wait sees the stage's old bytes. A waiter sleeps until the phase of its parity is over.
+void sync_warp(); // __syncwarp: the warp's lanes meet
+void mbarrier_init(uint64_t *bar, uint32_t count);
+void mbarrier_arrive(uint64_t *bar);
+void cp_async_mbarrier_arrive(uint64_t *bar);
+void mbarrier_wait(uint64_t *bar, uint32_t parity);
 
 extern int g_smem_limit; // dynamic shared memory above 48 KiB that cudaFuncSetAttribute allowed
 // cudaMalloc of more bytes than this fails with cudaErrorMemoryAllocation: lets the tests take the
@@ -140,6 +150,11 @@ template <typename T> T __shfl_sync(unsigned, T value, int src_lane, int = 32) {
 inline int __syncthreads_or(int pred) { return emu::block_any(pred != 0) ? 1 : 0; }
 inline int __syncthreads_and(int pred) { return emu::block_any(pred == 0) ? 0 : 1; } // all true = none false
 
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::sync_warp(); }
+inline void __trap() { // a kernel's assertion failed: stop here, as the device would
+    std::fprintf(stderr, "emu: __trap\n");
+    std::abort();
+}
 inline int __any_sync(unsigned, int pred) { return emu::warp_any(pred != 0) ? 1 : 0; }
 inline int __all_sync(unsigned, int pred) { return emu::warp_any(pred == 0) ? 0 : 1; } // all true = none false
 
