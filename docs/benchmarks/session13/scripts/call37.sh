@@ -4,14 +4,11 @@
 # arrivals (arr-lane) against it last. Prepared here (on main, where the path is behind its switch) with
 #   python3 tools/ab_builds.py prepare arr-thread=main+CONDUIT_MMA_PRODUCER=1 \
 #       arr-lane=main+CONDUIT_MMA_PRODUCER=1+CONDUIT_PRODUCER_THREAD_ARRIVALS=0
-# (this session it was the branch wg-producer, where the path was on; the machine was taken back
-# before anything came back).
+# (this session it ran from the branch wg-producer, where the path was on, and the machine was taken
+# back before anything came back; its prologue is tools/gpu_call.sh since).
 set -uo pipefail
-out="${OUT:-/tmp/conduit-gpu}"; work=/tmp/c37; rm -rf "$work"; mkdir -p "$out" "$work"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/gpu.txt"
-save() { tar czf "$out/c37.tgz" -C "$work" .; }
-SECONDS=0; stop=360
+source tools/gpu_call.sh c37
+stop=360
 timeout 150 python3 tools/ab_builds.py run --prefill --rounds 0 --out "$work/ab_build.json" > "$work/build.log" 2>&1; echo "build rc=$? t=$SECONDS"; tail -1 "$work/build.log"
 export CONDUIT_LIB=/tmp/ab-build-arr-thread/libconduit.so
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py > "$work/tests_kernels.log" 2>&1; echo "kernels rc=$? t=$SECONDS"; tail -1 "$work/tests_kernels.log"; save
