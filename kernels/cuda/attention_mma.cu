@@ -277,19 +277,16 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
         CUDA_CHECK_LAUNCH("mma_attention_kernel");
     }
 
-    // Its CTAs one SM holds at once (registers, dynamic shared memory): queried once, the same on
-    // every launch.
+    // Its CTAs one SM holds at once (registers, dynamic shared memory): queried once a device.
     static int resident_per_sm() {
-        static std::atomic<int> cached{0};
-        int n = cached.load();
-        if (n == 0) {
+        static std::atomic<int> cache[64];
+        return once_per_device(cache, [] {
+            int n = 0;
             allow_dynamic_smem<kernel>(smem_bytes()); // the occupancy counts only the smem it is allowed
             CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void *>(kernel),
                                                                      threads(), smem_bytes()));
-            n = std::max(n, 1);
-            cached.store(n);
-        }
-        return n;
+            return std::max(n, 1);
+        });
     }
 
     // Dynamic shared memory: the stages of the path the device runs (MmaShape, or the producer's
@@ -301,21 +298,18 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
     }
 
     // Threads a CTA: kThreads, and the producer warpgroup where the device runs code built for sm_90a
-    // (kMmaProducerWarps), which the kernel's launch bound tells: queried once.
+    // with it (kMmaProducerWarps), which the kernel's launch bound tells: queried once a device.
     static unsigned threads() {
 #ifdef CONDUIT_CUDA_EMULATION
         return S::kThreads + 32 * kMmaProducerWarps<kWarps>; // one build, host and device
 #else
-        static std::atomic<int> cached{0};
-        int n = cached.load();
-        if (n == 0) {
+        static std::atomic<int> cache[64];
+        return unsigned(once_per_device(cache, [] {
             cudaFuncAttributes attributes{};
             CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void *>(kernel)));
-            constexpr int kWithProducer = S::kThreads + 32 * 4; // kMmaProducerWarps<kWarps> of an sm_90a build
-            n = kWarps == 8 && attributes.maxThreadsPerBlock == kWithProducer ? kWithProducer : S::kThreads;
-            cached.store(n);
-        }
-        return unsigned(n);
+            constexpr int kWithProducer = S::kThreads + 32 * 4; // kMmaProducerWarps<kWarps> of such a build
+            return kWarps == 8 && attributes.maxThreadsPerBlock == kWithProducer ? kWithProducer : S::kThreads;
+        }));
 #endif
     }
 };

@@ -32,6 +32,8 @@
 
 #include <math_constants.h>
 
+#include <atomic>
+
 #include "attention_mma.cuh"
 #include "wgmma.cuh"
 
@@ -330,12 +332,13 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 // consumer warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier
 // proved:
 //   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc
-//     (it fires when the thread's copies have landed), and lane 0 of the producer's first warp,
-//     which stores the tile's positions and view, arrives once more after them (mbarrier.arrive
-//     releases them; the consumers' wait acquires them): count kProducerThreads + 1.
-//   empty[s]: every consumer warp is done with the tile stage s held (count kWarps): a warp arrives
-//     for tile t - 1 once on_tile(t) has returned (on_tile(t) waits for tile t - 1's P V; tile t's
-//     own reads are behind its S wait), and the producer waits for it before refilling the stage.
+//     (it fires when the thread's copies have landed), and the lanes of the producer's first warp,
+//     which store the tile's positions and view, arrive once more after them (mbarrier.arrive
+//     releases them; the consumers' wait acquires them): count kFullArrivals.
+//   empty[s]: every consumer thread is done with the tile stage s held (count kEmptyArrivals): it
+//     arrives for tile t - 1 once on_tile(t) has returned (on_tile(t) waits for tile t - 1's P V;
+//     tile t's own reads are behind its S wait), and the producer waits for it before refilling the
+//     stage. (With kThreadArrivals off, one lane a warp arrives for the warp, after __syncwarp.)
 // Ring tile m = tile - tile_begin uses stage m % kStages in phase m / kStages of both barriers. The
 // producer fills every stage before the positions scan (visible_tile_end, all threads), then runs as
 // far ahead as the empty barriers let it: kStages - 2 tiles ahead of the tile being computed. The
@@ -427,6 +430,7 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
             next_pos = lane_positions<S::kKeys>(p, tile + 1, tile_end); // lands during the next wait
             stage = stage + 1 == Ring::kStages ? 0 : stage + 1;
         }
+        cp_async_commit(); // (the copies are in no group: commit them, so that the wait covers them)
         cp_async_wait<0>(); // no copy may land in a stage after the CTA has left
         return false;
     }
@@ -452,6 +456,20 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
 }
 #endif // CONDUIT_WGMMA
 
+
+// A property of the current device, computed by compute() (a positive int) once per device: launch
+// shapes differ between devices of different architectures in one process.
+template <typename Compute> int once_per_device(std::atomic<int> (&cache)[64], Compute &&compute) {
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    if (device < 0 || device >= 64) return compute();
+    int value = cache[device].load();
+    if (value == 0) {
+        value = compute();
+        cache[device].store(value);
+    }
+    return value;
+}
 
 // Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
 template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
