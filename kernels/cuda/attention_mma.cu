@@ -270,10 +270,12 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
 
     // Launches it for p: row tiles x KV heads x p.n_splits (at least one) CTAs.
     static void launch(const AttentionParams &p, cudaStream_t stream) {
-        allow_dynamic_smem<kernel>(smem_bytes());
+        const unsigned n_threads = threads(); // (once a launch: each asks the runtime for the device)
+        const size_t smem = smem_bytes(n_threads);
+        allow_dynamic_smem<kernel>(smem);
         const dim3 grid{unsigned(mma_attention_base_ctas(p, kWarps) / p.n_kv_heads), unsigned(p.n_kv_heads),
                         unsigned(std::max(p.n_splits, 1))};
-        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, threads(), smem_bytes(), stream>>>(p);
+        mma_attention_kernel<T, kHeadDim, kWarps><<<grid, n_threads, smem, stream>>>(p);
         CUDA_CHECK_LAUNCH("mma_attention_kernel");
     }
 
@@ -282,18 +284,19 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
         static std::atomic<int> cache[64];
         return once_per_device(cache, [] {
             int n = 0;
-            allow_dynamic_smem<kernel>(smem_bytes()); // the occupancy counts only the smem it is allowed
+            const unsigned n_threads = threads();
+            allow_dynamic_smem<kernel>(smem_bytes(n_threads)); // the occupancy counts only the smem it is allowed
             CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void *>(kernel),
-                                                                     threads(), smem_bytes()));
+                                                                     int(n_threads), smem_bytes(n_threads)));
             return std::max(n, 1);
         });
     }
 
-    // Dynamic shared memory: the stages of the path the device runs (MmaShape, or the producer's
-    // SpecializedRing), and room to align them to the wgmma tile (on sm_90a the K/V tiles are wgmma
-    // operands; elsewhere the slack is unused).
-    static size_t smem_bytes() {
-        const bool producer = threads() > S::kThreads;
+    // Dynamic shared memory for a CTA of n_threads (threads()): the stages of the path the device runs
+    // (MmaShape, or the producer's SpecializedRing), and room to align them to the wgmma tile (on
+    // sm_90a the K/V tiles are wgmma operands; elsewhere the slack is unused).
+    static size_t smem_bytes(unsigned n_threads) {
+        const bool producer = n_threads > S::kThreads;
         return (producer ? SpecializedRing<kHeadDim, kWarps>::kBytes : S::kSmemBytes) + kWgmmaTileAlign;
     }
 
@@ -307,7 +310,7 @@ template <typename T, int kHeadDim, int kWarps> struct MmaKernel {
         return unsigned(once_per_device(cache, [] {
             cudaFuncAttributes attributes{};
             CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void *>(kernel)));
-            constexpr int kWithProducer = S::kThreads + 32 * 4; // kMmaProducerWarps<kWarps> of such a build
+            constexpr int kWithProducer = SpecializedRing<kHeadDim, kWarps>::kThreads; // such a build's
             return kWarps == 8 && attributes.maxThreadsPerBlock == kWithProducer ? kWithProducer : S::kThreads;
         }));
 #endif

@@ -80,10 +80,10 @@ size_t shared_offset(const void *p);
 // rows as mma.m16n8k16's A fragments) * B (16 x n, read through `desc`: 128-byte swizzle, K-major
 // or, with trans_b, MN-major, as the PTX ISA's canonical layouts).
 void wgmma_rs(float *d, int n, const uint32_t *a, uint64_t desc, bool accumulate, bool trans_b, bool bf16);
+void sync_warp(); // __syncwarp: the warp's lanes meet
 // Shared-memory barriers (mbarrier). A phase completes at its count-th arrival. cp.async copies that a
 // thread ties to one (cp_async_mbarrier_arrive) land only when that phase completes, so a reader that
 // skips the wait sees the stage's old bytes. A waiter sleeps until the phase of its parity is over.
-void sync_warp(); // __syncwarp: the warp's lanes meet
 void mbarrier_init(uint64_t *bar, uint32_t count);
 void mbarrier_arrive(uint64_t *bar);
 void cp_async_mbarrier_arrive(uint64_t *bar);
