@@ -335,6 +335,19 @@ def test_the_sass_check_finds_a_register_of_a_running_product_touched_on_some_pa
     assert [h.address for h in check.scan(not_trapped)[0]] == ["0070"]
 
 
+def test_the_sass_check_finds_a_warp_specialized_kernel_whose_register_trade_was_dropped():
+    """A function that waits on an mbarrier must give registers back (producer) and take them
+    (consumers); one that waits on none is not a warp-specialized kernel and needs neither."""
+    check = _load_tool("check_wgmma_sass")
+    wait = "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R91+URZ], R90"
+    traded = _sass("@P0 BRA 0x0030", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0", wait, "USETMAXREG.DEALLOC.CTAPOOL 0x38",
+                   "EXIT")
+    assert check.missing_register_trades(traded) == []
+    assert check.missing_register_trades(traded.replace("USETMAXREG.DEALLOC.CTAPOOL 0x38", "NOP")) == ["kernel"]
+    assert check.missing_register_trades(_sass(wait, "EXIT")) == ["kernel"]
+    assert check.missing_register_trades(_sass("FMUL R50, R51, R52", "EXIT")) == []
+
+
 @pytest.mark.gpu  # (no GPU needed, but the GPU machine is where cuobjdump and an sm_90a build meet: `-m gpu` runs it)
 def test_the_wgmma_attention_leaves_the_registers_of_a_running_product_alone():
     """The library's sm_90a code (when it has some) touches no A fragment or accumulator of an
@@ -352,3 +365,5 @@ def test_the_wgmma_attention_leaves_the_registers_of_a_running_product_alone():
     if n_hgmma == 0:
         pytest.skip("the library holds no warpgroup MMA (not built for sm_90a)")
     assert [f"{h.address}: {h.instruction}" for h in hazards] == []
+    # The warp-specialized kernels keep the register budgets they ask for (ptxas may drop setmaxnreg).
+    assert check.missing_register_trades(sass) == []

@@ -16,7 +16,12 @@ pattern (the first operand of an instruction with a register there is its destin
 / .WIDE widen it), so it is a check, not a proof; it finds the hazard above, and none in the
 shipped kernels.
 
-    python3 tools/check_wgmma_sass.py build/libconduit.so      # or a .cubin; exit 1 on a hazard
+It also checks that every function which waits on an mbarrier (the warp-specialized attention:
+its producer warpgroup hands tiles over through them) trades registers between its warpgroups
+(USETMAXREG.DEALLOC and .TRY_ALLOC): ptxas drops a setmaxnreg it cannot honour with only an info
+line (C7507), and the consumers would then run their 200-odd registers' worth of code in 168.
+
+    python3 tools/check_wgmma_sass.py build/libconduit.so      # or a .cubin; exit 1 on a finding
 """
 from __future__ import annotations
 
@@ -173,6 +178,17 @@ def scan(sass: str) -> tuple[list[Hazard], int]:
     return hazards, n_hgmma
 
 
+def missing_register_trades(sass: str) -> list[str]:
+    """The functions that wait on an mbarrier but lack a USETMAXREG.DEALLOC or a USETMAXREG.TRY_ALLOC."""
+    missing = []
+    for function, code in _functions(sass):
+        texts = [PREDICATE.sub("", text) for _, text in code]
+        if any(t.startswith("SYNCS.PHASECHK") for t in texts) and not all(
+                any(t.startswith(f"USETMAXREG.{kind}") for t in texts) for kind in ("DEALLOC", "TRY_ALLOC")):
+            missing.append(function)
+    return missing
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("binary", help="a cubin, or a library / executable with embedded sm_90a code")
@@ -187,7 +203,10 @@ def main() -> int:
     for h in hazards:
         print(f"{h.function}: {h.address}: {h.instruction}  ({h.kind} of in-flight R{h.registers})")
     print(f"{n_hgmma} HGMMA instructions, {len(hazards)} hazards")
-    return 1 if hazards else 0
+    untraded = missing_register_trades(sass)
+    for function in untraded:
+        print(f"{function}: waits on an mbarrier but trades no registers (setmaxnreg dropped by ptxas?)")
+    return 1 if hazards or untraded else 0
 
 
 if __name__ == "__main__":

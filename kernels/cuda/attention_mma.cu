@@ -7,8 +7,8 @@
 // (docs/benchmarks/runs.md, tenth session): a 4K prefill chunk 628 -> 534 us, CONDUIT's recompute
 // 402 -> 346 us (GQA) and 212 -> 182 us (MHA); the pipeline, 487 -> 470 us on the chunk (eleventh);
 // CTAs of 8 warps with a producer warpgroup that gathers the key tiles (warp specialization,
-// for_each_key_tile_specialized; a build-time choice for now, kMmaProducerWarps), 469 -> 426 us
-// (thirteenth). Everything else (rows, tiles, softmax, masks, splits) is the same code on both.
+// for_each_key_tile_specialized, kMmaProducerWarps), 469 -> 426 us (thirteenth session; the
+// default since the fourteenth). Everything else (rows, tiles, softmax, masks, splits) is the same code on both.
 //
 // Rows are (query, head) pairs of one KV head: row r = query r / group, head r % group of the
 // group, so each K/V tile in shared memory serves every query head of the group. Grid: x = tile of
@@ -28,9 +28,10 @@
 //      with the tensor pipe idle in between); each warp decides from the tile's positions, with warp
 //      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no
 //      row can see is zero-filled (its K/V may be garbage or NaN and must not reach the arithmetic).
-//      With wgmma and CONDUIT_MMA_PRODUCER=1, a CTA of 8 warps has a fourth warpgroup that does the
-//      gathering and the votes alone, handing tiles over through shared-memory barriers (no CTA
-//      barrier a tile); CTAs of 4 warps keep the loop above (kMmaProducerWarps).
+//      With wgmma (and CONDUIT_MMA_PRODUCER, on by default), a CTA of 8 warps has a fourth warpgroup
+//      that does the gathering alone, handing tiles over through shared-memory barriers (no CTA
+//      barrier a tile; each warp still takes the votes itself); CTAs of 4 warps keep the loop above
+//      (kMmaProducerWarps).
 //   3. S = Q K^T (ldmatrix from the swizzled K tile, or one wgmma per 16 dims), masked per element by position
 //      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA
 //      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),
@@ -91,12 +92,9 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
 // Device code built for sm_90a has it, the rest not; the host learns which from the launch bound of
 // the kernel it would run (MmaKernel::threads). CTAs of 4 warps keep the CTA-barrier loop: two of
 // them share an SM, which the producer's registers would not leave room for.
-// Off by default until it has passed what main's kernels pass on the GPU: measured on an H200 (lane-0
-// arrivals) a 4K chunk 469 -> 426 us, its kernel tests and memcheck clean, but racecheck reported
-// the positions' hand-over through the mbarriers (per-thread arrivals, the default here, are meant
-// to answer that; not yet run on a GPU): docs/design-notes.md.
+// On by default (CONDUIT_MMA_PRODUCER=0 builds the CTA-barrier loop everywhere, for A/B runs).
 #ifndef CONDUIT_MMA_PRODUCER
-#define CONDUIT_MMA_PRODUCER 0
+#define CONDUIT_MMA_PRODUCER 1
 #endif
 template <int kWarps> constexpr int kMmaProducerWarps = CONDUIT_WGMMA && CONDUIT_MMA_PRODUCER && kWarps == 8 ? 4 : 0;
 

@@ -287,17 +287,13 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
 
 // The shape of for_each_key_tile_specialized's CTA (below; sm_90a only): its threads, their register
 // budgets and its shared memory, which the host sizes launches with. Build-time knobs for A/B runs:
-// CONDUIT_PRODUCER_STAGES, CONDUIT_PRODUCER_UNROLL (on an H200, 4 stages and 8 rows at once beat 3
-// and 4: 426 against 445 us on a 4K chunk, lane-0 arrivals) and CONDUIT_PRODUCER_THREAD_ARRIVALS
-// (kThreadArrivals; not yet measured against lane-0 arrivals).
+// CONDUIT_PRODUCER_STAGES and CONDUIT_PRODUCER_UNROLL (on an H200, 4 stages and 8 rows at once beat 3
+// and 4: 426 against 445 us on a 4K chunk).
 #ifndef CONDUIT_PRODUCER_STAGES
 #define CONDUIT_PRODUCER_STAGES 4
 #endif
 #ifndef CONDUIT_PRODUCER_UNROLL
 #define CONDUIT_PRODUCER_UNROLL 8
-#endif
-#ifndef CONDUIT_PRODUCER_THREAD_ARRIVALS
-#define CONDUIT_PRODUCER_THREAD_ARRIVALS 1
 #endif
 template <int kHeadDim, int kWarps> struct SpecializedRing {
     using S = MmaShape<kHeadDim, kWarps>;
@@ -310,16 +306,14 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
                                      kThreads * (65536 / kThreads / 8 * 8),
                   "the register budgets fit the CTA's");
     static constexpr int kCopyUnroll = CONDUIT_PRODUCER_UNROLL; // rows a producer thread copies at once
-    // Every thread that wrote or read a stage's positions arrives itself (else one lane a warp, after
-    // __syncwarp): the barriers' counts.
-    static constexpr bool kThreadArrivals = CONDUIT_PRODUCER_THREAD_ARRIVALS;
-    static constexpr int kFullArrivals = kProducerThreads + (kThreadArrivals ? 32 : 1);
-    static constexpr int kEmptyArrivals = kThreadArrivals ? S::kThreads : kWarps;
-    // Bytes: the K/V stages, then each stage's positions, its view, then the full and the empty
-    // barriers of every stage.
+    // The barriers' counts: every producer thread's copies (full); one lane of every consumer warp
+    // (empty).
+    static constexpr int kFullArrivals = kProducerThreads;
+    static constexpr int kEmptyArrivals = kWarps;
+    // Bytes: the K/V stages, then each consumer warp's copy of a tile's positions, then the full and
+    // the empty barriers of every stage.
     static constexpr size_t kPositionOffset = size_t(kStages) * S::kStageChunks * 16;
-    static constexpr size_t kViewOffset = kPositionOffset + size_t(kStages) * S::kKeys * 4;
-    static constexpr size_t kBarrierOffset = (kViewOffset + size_t(kStages) * 4 + 7) / 8 * 8;
+    static constexpr size_t kBarrierOffset = (kPositionOffset + size_t(kWarps) * S::kKeys * 4 + 7) / 8 * 8;
     static constexpr size_t kBytes = kBarrierOffset + 2 * size_t(kStages) * sizeof(uint64_t);
 };
 
@@ -331,14 +325,20 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 // Here a fourth warpgroup (threads kThreads .. kThreads + 127) gathers the tiles, and the kWarps
 // consumer warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier
 // proved:
-//   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc
-//     (it fires when the thread's copies have landed), and the lanes of the producer's first warp,
-//     which store the tile's positions and view, arrive once more after them (mbarrier.arrive
-//     releases them; the consumers' wait acquires them): count kFullArrivals.
-//   empty[s]: every consumer thread is done with the tile stage s held (count kEmptyArrivals): it
-//     arrives for tile t - 1 once on_tile(t) has returned (on_tile(t) waits for tile t - 1's P V;
-//     tile t's own reads are behind its S wait), and the producer waits for it before refilling the
-//     stage. (With kThreadArrivals off, one lane a warp arrives for the warp, after __syncwarp.)
+//   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc,
+//     which fires when the thread's copies have landed: count kFullArrivals.
+//   empty[s]: every consumer warp is done with the tile stage s held: after on_tile(t) has returned
+//     (on_tile(t) waits for tile t - 1's P V; tile t's own reads are behind its S wait) and a
+//     __syncwarp, its lane 0 arrives for tile t - 1, and the producer waits for all kWarps arrivals
+//     before refilling the stage. Only wgmma reads a stage.
+// What a tile shows the CTA (its view, and the positions that mask it) does not travel through the
+// ring: every warp, producer or consumer, works it out from the tile's positions (tile_slots; the
+// same inputs give the same view everywhere), each consumer warp reading them a tile ahead into
+// registers and storing them, for a masked tile, into shared memory of its own. An earlier form had
+// the producer's first warp publish positions and view with each stage; it needed an arrival from
+// every thread that read them (one lane's release after __syncwarp leaves the others' reads
+// unordered for compute-sanitizer's racecheck), which cost 5% of a 4K chunk on an H200 (457 against
+// 435 us; docs/benchmarks/runs.md, fourteenth session).
 // Ring tile m = tile - tile_begin uses stage m % kStages in phase m / kStages of both barriers. The
 // producer fills every stage before the positions scan (visible_tile_end, all threads), then runs as
 // far ahead as the empty barriers let it: kStages - 2 tiles ahead of the tile being computed. The
@@ -359,7 +359,6 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
     using Ring = SpecializedRing<kHeadDim, kWarps>;
     unsigned char *bytes = reinterpret_cast<unsigned char *>(smem);
     int32_t *pos_smem = reinterpret_cast<int32_t *>(bytes + Ring::kPositionOffset);
-    int32_t *view_smem = reinterpret_cast<int32_t *>(bytes + Ring::kViewOffset);
     uint64_t *full = reinterpret_cast<uint64_t *>(bytes + Ring::kBarrierOffset), *empty = full + Ring::kStages;
     const int32_t lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -377,24 +376,12 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
         registers_decrease<Ring::kProducerRegisters>();
         using Blocks = TileBlocks<kHeadDim, Ring::kProducerThreads, S::kKeys, S::kThreads>;
         using Rows = TileRowsOfThread<kHeadDim, Ring::kProducerThreads, S::kKeys, S::kThreads>;
-        const bool publisher = threadIdx.x < S::kThreads + 32; // the producer's first warp
-        // What the tile shows the CTA (each warp works it out for its copies), its positions and
-        // view (the first warp), its copies (unless hidden): the rows and layout of copy_key_tile,
-        // the pool blocks of all of a thread's rows read at once, then kCopyUnroll rows' copies at a
-        // time (registers for all of them would come out of the consumers').
+        // What the tile shows the CTA (each warp works it out for its copies), then its copies (unless
+        // hidden): the rows and layout of copy_key_tile, the pool blocks of all of a thread's rows read
+        // at once, then kCopyUnroll rows' copies at a time (registers for all of them would come out of
+        // the consumers').
         const auto fill_stage = [&](int32_t tile, LanePositions pos, int stage) {
             const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
-            if (publisher) {
-                pos_smem[stage * S::kKeys + lane] = pos.lo;
-                pos_smem[stage * S::kKeys + 32 + lane] = pos.hi;
-                if (lane == 0) view_smem[stage] = int32_t(slots.view);
-                if constexpr (Ring::kThreadArrivals) {
-                    mbarrier_arrive(full + stage); // releases this lane's stores
-                } else {
-                    __syncwarp(); // the warp's stores, before lane 0's release
-                    if (lane == 0) mbarrier_arrive(full + stage);
-                }
-            }
             if (slots.view != kTileHidden) {
                 const Blocks blocks(p, p.block_table, tile * S::kKeys, tile < tile_end ? p.n_tokens : 0);
                 const T *pool = static_cast<const T *>(p.pool);
@@ -436,19 +423,23 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
     }
     registers_increase<Ring::kConsumerRegisters>();
     tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
+    int32_t *warp_pos = pos_smem + (threadIdx.x / 32) * S::kKeys; // this warp's copy of a masked tile's positions
+    LanePositions next_pos = lane_positions<S::kKeys>(p, tile_begin, tile_end);
     int stage = 0, previous_stage = Ring::kStages - 1; // tile's and tile - 1's
     for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
+        const LanePositions pos = next_pos;
+        next_pos = lane_positions<S::kKeys>(p, tile + 1, tile_end); // lands during this tile
+        const TileView view = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos).view;
+        if (view == kTileMasked) { // (the last tile's reads of warp_pos are behind the __syncwarp below)
+            warp_pos[lane] = pos.lo;
+            warp_pos[32 + lane] = pos.hi;
+            __syncwarp(); // every lane's stores before any lane's mask
+        }
         mbarrier_wait(full + stage, uint32_t((tile - tile_begin) / Ring::kStages) & 1u);
         fence_async_shared(); // the copies' generic-proxy writes, before wgmma's async-proxy reads
-        on_tile(TileView(view_smem[stage]), smem + stage * S::kStageChunks, pos_smem + stage * S::kKeys, tile);
-        if (tile > tile_begin) { // this thread is done with tile - 1
-            if constexpr (Ring::kThreadArrivals) {
-                mbarrier_arrive(empty + previous_stage);
-            } else {
-                __syncwarp(); // every lane of the warp is
-                if (lane == 0) mbarrier_arrive(empty + previous_stage);
-            }
-        }
+        on_tile(view, smem + stage * S::kStageChunks, warp_pos, tile);
+        __syncwarp(); // every lane is done with tile - 1's stage and with warp_pos
+        if (tile > tile_begin && lane == 0) mbarrier_arrive(empty + previous_stage);
         previous_stage = stage;
         stage = stage + 1 == Ring::kStages ? 0 : stage + 1;
     }
