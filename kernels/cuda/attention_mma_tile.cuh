@@ -308,12 +308,13 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
     static constexpr int kCopyUnroll = CONDUIT_PRODUCER_UNROLL; // rows a producer thread copies at once
     // The barriers' counts: every producer thread's copies (full); one lane of every consumer warp
     // (empty).
-    static constexpr int kFullArrivals = kProducerThreads;
+    static constexpr int kFullArrivals = kProducerThreads + 1; // + the view's writer
     static constexpr int kEmptyArrivals = kWarps;
     // Bytes: the K/V stages, then each consumer warp's copy of a tile's positions, then the full and
     // the empty barriers of every stage.
     static constexpr size_t kPositionOffset = size_t(kStages) * S::kStageChunks * 16;
-    static constexpr size_t kBarrierOffset = (kPositionOffset + size_t(kWarps) * S::kKeys * 4 + 7) / 8 * 8;
+    static constexpr size_t kViewOffset = kPositionOffset + size_t(kWarps) * S::kKeys * 4;
+    static constexpr size_t kBarrierOffset = (kViewOffset + size_t(kStages) * 4 + 7) / 8 * 8;
     static constexpr size_t kBytes = kBarrierOffset + 2 * size_t(kStages) * sizeof(uint64_t);
 };
 
@@ -359,6 +360,7 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
     using Ring = SpecializedRing<kHeadDim, kWarps>;
     unsigned char *bytes = reinterpret_cast<unsigned char *>(smem);
     int32_t *pos_smem = reinterpret_cast<int32_t *>(bytes + Ring::kPositionOffset);
+    int32_t *view_smem = reinterpret_cast<int32_t *>(bytes + Ring::kViewOffset);
     uint64_t *full = reinterpret_cast<uint64_t *>(bytes + Ring::kBarrierOffset), *empty = full + Ring::kStages;
     const int32_t lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -382,6 +384,10 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
         // the consumers').
         const auto fill_stage = [&](int32_t tile, LanePositions pos, int stage) {
             const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
+            if (threadIdx.x == S::kThreads) {
+                view_smem[stage] = int32_t(slots.view);
+                mbarrier_arrive(full + stage); // releases the view
+            }
             if (slots.view != kTileHidden) {
                 const Blocks blocks(p, p.block_table, tile * S::kKeys, tile < tile_end ? p.n_tokens : 0);
                 const T *pool = static_cast<const T *>(p.pool);
@@ -429,14 +435,16 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
     for (int32_t tile = tile_begin; tile < tile_end; ++tile) {
         const LanePositions pos = next_pos;
         next_pos = lane_positions<S::kKeys>(p, tile + 1, tile_end); // lands during this tile
-        const TileView view = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos).view;
+        mbarrier_wait(full + stage, uint32_t((tile - tile_begin) / Ring::kStages) & 1u);
+        fence_async_shared(); // the copies' generic-proxy writes, before wgmma's async-proxy reads
+        int32_t view_of_lane0 = 0; // (lane 0 alone reads it: its arrival below then orders the read)
+        if (lane == 0) view_of_lane0 = view_smem[stage];
+        const TileView view = TileView(__shfl_sync(0xffffffffu, view_of_lane0, 0));
         if (view == kTileMasked) { // (the last tile's reads of warp_pos are behind the __syncwarp below)
             warp_pos[lane] = pos.lo;
             warp_pos[32 + lane] = pos.hi;
             __syncwarp(); // every lane's stores before any lane's mask
         }
-        mbarrier_wait(full + stage, uint32_t((tile - tile_begin) / Ring::kStages) & 1u);
-        fence_async_shared(); // the copies' generic-proxy writes, before wgmma's async-proxy reads
         on_tile(view, smem + stage * S::kStageChunks, warp_pos, tile);
         __syncwarp(); // every lane is done with tile - 1's stage and with warp_pos
         if (tile > tile_begin && lane == 0) mbarrier_arrive(empty + previous_stage);
