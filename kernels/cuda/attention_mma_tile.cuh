@@ -288,7 +288,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
 // The shape of for_each_key_tile_specialized's CTA (below; sm_90a only): its threads, their register
 // budgets and its shared memory, which the host sizes launches with. Build-time knobs for A/B runs:
 // CONDUIT_PRODUCER_STAGES and CONDUIT_PRODUCER_UNROLL (on an H200, 4 stages and 8 rows at once beat 3
-// and 4: 426 against 445 us on a 4K chunk).
+// and 4: 426 against 445 us on a 4K chunk; 5 stages, no faster than 4).
 #ifndef CONDUIT_PRODUCER_STAGES
 #define CONDUIT_PRODUCER_STAGES 4
 #endif
@@ -306,12 +306,12 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
                                      kThreads * (65536 / kThreads / 8 * 8),
                   "the register budgets fit the CTA's");
     static constexpr int kCopyUnroll = CONDUIT_PRODUCER_UNROLL; // rows a producer thread copies at once
-    // The barriers' counts: every producer thread's copies (full); one lane of every consumer warp
-    // (empty).
-    static constexpr int kFullArrivals = kProducerThreads + 1; // + the view's writer
+    // The barriers' counts: every producer thread's copies and the view's writer (full); lane 0 of
+    // every consumer warp (empty).
+    static constexpr int kFullArrivals = kProducerThreads + 1;
     static constexpr int kEmptyArrivals = kWarps;
-    // Bytes: the K/V stages, then each consumer warp's copy of a tile's positions, then the full and
-    // the empty barriers of every stage.
+    // Bytes: the K/V stages, then each consumer warp's copy of a masked tile's positions, each
+    // stage's view, then the full and the empty barriers of every stage.
     static constexpr size_t kPositionOffset = size_t(kStages) * S::kStageChunks * 16;
     static constexpr size_t kViewOffset = kPositionOffset + size_t(kWarps) * S::kKeys * 4;
     static constexpr size_t kBarrierOffset = (kViewOffset + size_t(kStages) * 4 + 7) / 8 * 8;
@@ -327,28 +327,29 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 // consumer warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier
 // proved:
 //   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc,
-//     which fires when the thread's copies have landed: count kFullArrivals.
+//     which fires when the thread's copies have landed, and the producer's thread 0, which stores
+//     the tile's view (hidden, open or masked), arrives once more after it: count kFullArrivals.
 //   empty[s]: every consumer warp is done with the tile stage s held: after on_tile(t) has returned
 //     (on_tile(t) waits for tile t - 1's P V; tile t's own reads are behind its S wait) and a
 //     __syncwarp, its lane 0 arrives for tile t - 1, and the producer waits for all kWarps arrivals
-//     before refilling the stage. Only wgmma reads a stage.
-// What a tile shows the CTA (its view, and the positions that mask it) does not travel through the
-// ring: every warp, producer or consumer, works it out from the tile's positions (tile_slots; the
-// same inputs give the same view everywhere), each consumer warp reading them a tile ahead into
-// registers and storing them, for a masked tile, into shared memory of its own. An earlier form had
-// the producer's first warp publish positions and view with each stage; it needed an arrival from
-// every thread that read them (one lane's release after __syncwarp leaves the others' reads
-// unordered for compute-sanitizer's racecheck), which cost 5% of a 4K chunk on an H200 (457 against
-// 435 us; docs/benchmarks/runs.md, fourteenth session).
+//     before refilling the stage.
+// Every shared-memory read of a stage is by wgmma or by the lane that arrives for it: lane 0 of a
+// consumer warp reads the view and shuffles it to the others. The positions that mask a tile do not
+// travel through the ring: each consumer warp reads them from global memory a tile ahead, into
+// registers, and stores those of a masked tile into shared memory of its own. (An earlier form had
+// the producer's first warp publish positions and view with each stage, read by every consumer
+// thread: with one lane's release after __syncwarp racecheck reported the reads, and with an
+// arrival from every reader the 4K chunk took 457 us against 435 (H200); the consumers voting for
+// the view themselves, 443 us; this form, 432. docs/benchmarks/runs.md, fourteenth session.)
 // Ring tile m = tile - tile_begin uses stage m % kStages in phase m / kStages of both barriers. The
 // producer fills every stage before the positions scan (visible_tile_end, all threads), then runs as
 // far ahead as the empty barriers let it: kStages - 2 tiles ahead of the tile being computed. The
 // producer is on the consumers' critical path whenever it falls behind (Nsight Compute on an H200:
 // with its table reads one row at a time, the consumers spent 9% of their samples waiting on full),
 // so a tile's positions are read before the wait that precedes its copies, and its pool blocks all
-// at once after it (with them read early too, the producer needs more registers than 56). Tiles past the scan's end
-// hold no visible slot, so they got no copies; the producer waits for its last copies before it
-// leaves. Registers: the CTA's 384 threads start at 168 (the launch bound); the producer gives all
+// at once after it (with them read early too, the producer needs more registers than 56). Tiles
+// past the scan's end hold no visible slot, so they got no copies; the producer waits for its last
+// copies before it leaves. Registers: the CTA's 384 threads start at 168 (the launch bound); the producer gives all
 // but kProducerRegisters back and the consumers take them (SpecializedRing). Arguments as
 // for_each_key_tile's (K and V in the wgmma layout; smem holds SpecializedRing::kBytes). Call from
 // all threads; only the consumers call on_tile, and only they return true.
