@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The many-query attention (prefill chunks, CONDUIT's passes) of the library at CONDUIT_LIB, on a GPU.
 
-Shapes: ``conduit bench``'s prefill chunk (4096 causal queries, 32 heads over 8 KV heads) and scattered
-recompute (884 queries over 8512 keys), and the LLaVA-7B (MHA, 32 KV heads) shapes of a warm CONDUIT
+Shapes: ``conduit bench``'s prefill chunk (4096 causal queries, 32 heads over 8 KV heads; also at head
+dim 64) and scattered recompute (884 queries over 8512 keys), and the LLaVA-7B (MHA, 32 KV heads) shapes of a warm CONDUIT
 request: its text pass (104 queries after 4608 cached keys) and its recompute (461 scattered image
 tokens + those 104). Each is timed (device time, median), checked against a float32 reference and
 compared with torch SDPA on the dense causal problem of its size. Run it once per build to A/B
@@ -41,10 +41,12 @@ def main() -> None:
     args = parser.parse_args()
     timer = Timer(torch.device("cuda"))
     gqa = KernelBench(timer, KernelSizes(), torch.bfloat16)
+    gqa64 = KernelBench(timer, dataclasses.replace(KernelSizes(), head_dim=64), torch.bfloat16)
     mha = KernelBench(timer, dataclasses.replace(KernelSizes(), n_kv_heads=32), torch.bfloat16)
     rows = {
         "prefill chunk 4K (GQA)": gqa.many_queries(4096, list(range(4096))),
         "bench recompute (GQA)": gqa.many_queries(*gqa.recompute_positions()),
+        "prefill chunk 4K (GQA, d64)": gqa64.many_queries(4096, list(range(4096))),
     }
     for name, positions in request_shapes().items():
         rows[name] = mha.many_queries(REQUEST_KEYS, positions)
