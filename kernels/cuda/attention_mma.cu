@@ -355,7 +355,9 @@ void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cuda
 // 8 warps (128 rows a CTA) share each key tile among twice the rows, which pays while their CTAs
 // still fill the device twice over: on an H200 a 4K-query prefill chunk ran at 185 TFLOP/s with 8
 // against 173 with 4, while CONDUIT's recompute (884 queries, 224 CTAs of 8 warps) ran at 111
-// against 115 (docs/benchmarks/runs.md, run I).
+// against 115 (docs/benchmarks/runs.md, run I). With the producer warpgroup (8-warp CTAs only), 8
+// warps for every shape still lost on the recompute: 337 against 334 us (GQA), 183 against 174 (MHA)
+// (fourteenth session).
 int mma_warps_for(const AttentionParams &p) {
     static const int forced = [] {
         const char *env = std::getenv("CONDUIT_MMA_WARPS");
