@@ -336,16 +336,19 @@ def test_the_sass_check_finds_a_register_of_a_running_product_touched_on_some_pa
 
 
 def test_the_sass_check_finds_a_warp_specialized_kernel_whose_register_trade_was_dropped():
-    """A function that waits on an mbarrier must give registers back (producer) and take them
-    (consumers); one that waits on none is not a warp-specialized kernel and needs neither."""
+    """A function with warpgroup MMAs that waits on an mbarrier must give registers back (producer)
+    and take them (consumers); one that waits on none, or has no HGMMA, needs neither."""
     check = _load_tool("check_wgmma_sass")
     wait = "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R91+URZ], R90"
-    traded = _sass("@P0 BRA 0x0030", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0", wait, "USETMAXREG.DEALLOC.CTAPOOL 0x38",
-                   "EXIT")
+    hgmma = "HGMMA.64x64x16.F32.BF16 R16, R8, gdesc[UR4], R16, gsb0"
+    take, give = "@!P2 USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0", "USETMAXREG.DEALLOC.CTAPOOL 0x38"
+    traded = _sass("@P0 BRA 0x0040", take, wait, hgmma, give, "EXIT")
     assert check.missing_register_trades(traded) == []
-    assert check.missing_register_trades(traded.replace("USETMAXREG.DEALLOC.CTAPOOL 0x38", "NOP")) == ["kernel"]
-    assert check.missing_register_trades(_sass(wait, "EXIT")) == ["kernel"]
-    assert check.missing_register_trades(_sass("FMUL R50, R51, R52", "EXIT")) == []
+    assert check.missing_register_trades(traded.replace(give, "NOP")) == ["kernel"]
+    assert check.missing_register_trades(traded.replace(take, "NOP")) == ["kernel"]
+    assert check.missing_register_trades(_sass(wait, hgmma, "EXIT")) == ["kernel"]
+    assert check.missing_register_trades(_sass(wait, "EXIT")) == []  # an mbarrier user without wgmma
+    assert check.missing_register_trades(_sass(hgmma, "EXIT")) == []
 
 
 @pytest.mark.gpu  # (no GPU needed, but the GPU machine is where cuobjdump and an sm_90a build meet: `-m gpu` runs it)

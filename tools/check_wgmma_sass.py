@@ -16,10 +16,11 @@ pattern (the first operand of an instruction with a register there is its destin
 / .WIDE widen it), so it is a check, not a proof; it finds the hazard above, and none in the
 shipped kernels.
 
-It also checks that every function which waits on an mbarrier (the warp-specialized attention:
-its producer warpgroup hands tiles over through them) trades registers between its warpgroups
-(USETMAXREG.DEALLOC and .TRY_ALLOC): ptxas drops a setmaxnreg it cannot honour with only an info
-line (C7507), and the consumers would then run their 200-odd registers' worth of code in 168.
+It also checks that every function with warpgroup MMAs that waits on an mbarrier (the
+warp-specialized attention: its producer warpgroup hands tiles over through them) trades registers
+between its warpgroups (USETMAXREG.DEALLOC and .TRY_ALLOC): ptxas drops a setmaxnreg it cannot
+honour with only an info line (C7507), and the consumers would then run their 200-odd registers'
+worth of code in 168.
 
     python3 tools/check_wgmma_sass.py build/libconduit.so      # or a .cubin; exit 1 on a finding
 """
@@ -179,11 +180,13 @@ def scan(sass: str) -> tuple[list[Hazard], int]:
 
 
 def missing_register_trades(sass: str) -> list[str]:
-    """The functions that wait on an mbarrier but lack a USETMAXREG.DEALLOC or a USETMAXREG.TRY_ALLOC."""
+    """The functions with HGMMA that wait on an mbarrier (warp-specialized: a producer and consumers)
+    but lack a USETMAXREG.DEALLOC or a USETMAXREG.TRY_ALLOC."""
     missing = []
     for function, code in _functions(sass):
         texts = [PREDICATE.sub("", text) for _, text in code]
-        if any(t.startswith("SYNCS.PHASECHK") for t in texts) and not all(
+        specialized = any(t.startswith("SYNCS.PHASECHK") for t in texts) and any(t.startswith("HGMMA") for t in texts)
+        if specialized and not all(
                 any(t.startswith(f"USETMAXREG.{kind}") for t in texts) for kind in ("DEALLOC", "TRY_ALLOC")):
             missing.append(function)
     return missing

@@ -29,8 +29,8 @@
 //      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no
 //      row can see is zero-filled (its K/V may be garbage or NaN and must not reach the arithmetic).
 //      With wgmma (and CONDUIT_MMA_PRODUCER, on by default), a CTA of 8 warps has a fourth warpgroup
-//      that does the gathering alone, handing tiles over through shared-memory barriers (no CTA
-//      barrier a tile; each warp still takes the votes itself); CTAs of 4 warps keep the loop above
+//      that does the gathering and the votes alone, handing each tile over with its view through
+//      shared-memory barriers (no CTA barrier a tile); CTAs of 4 warps keep the loop above
 //      (kMmaProducerWarps).
 //   3. S = Q K^T (ldmatrix from the swizzled K tile, or one wgmma per 16 dims), masked per element by position
 //      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA

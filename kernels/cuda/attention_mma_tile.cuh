@@ -348,11 +348,14 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 // with its table reads one row at a time, the consumers spent 9% of their samples waiting on full),
 // so a tile's positions are read before the wait that precedes its copies, and its pool blocks all
 // at once after it (with them read early too, the producer needs more registers than 56). Tiles
-// past the scan's end hold no visible slot, so they got no copies; the producer waits for its last
-// copies before it leaves. Registers: the CTA's 384 threads start at 168 (the launch bound); the producer gives all
-// but kProducerRegisters back and the consumers take them (SpecializedRing). Arguments as
-// for_each_key_tile's (K and V in the wgmma layout; smem holds SpecializedRing::kBytes). Call from
-// all threads; only the consumers call on_tile, and only they return true.
+// past the scan's end hold no visible slot, so they got no copies (their stages' full barriers
+// complete with nobody waiting); the producer waits for its last copies before it leaves. Registers:
+// the CTA's 384 threads start at 168 (the launch bound); the producer gives all but
+// kProducerRegisters back and the consumers take them (SpecializedRing). Arguments as
+// for_each_key_tile's (K and V in the wgmma layout; smem holds SpecializedRing::kBytes; no pos_smem),
+// except on_tile's tile_pos: the calling warp's own copy of the tile's positions, written only for a
+// masked tile (on_tile may read it only when view is kTileMasked, as mask_tile does). Call from all
+// threads; only the consumers call on_tile, and only they return true.
 template <typename T, int kHeadDim, int kWarps, typename OnTile>
 __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionParams &p, int32_t kv_head,
                                                               int32_t tile_begin, int32_t tile_end, int32_t max_q_pos,
@@ -441,7 +444,7 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
         int32_t view_of_lane0 = 0; // (lane 0 alone reads it: its arrival below then orders the read)
         if (lane == 0) view_of_lane0 = view_smem[stage];
         const TileView view = TileView(__shfl_sync(0xffffffffu, view_of_lane0, 0));
-        if (view == kTileMasked) { // (the last tile's reads of warp_pos are behind the __syncwarp below)
+        if (view == kTileMasked) { // (tile - 1's reads of warp_pos are behind the __syncwarp after its on_tile)
             warp_pos[lane] = pos.lo;
             warp_pos[32 + lane] = pos.hi;
             __syncwarp(); // every lane's stores before any lane's mask
