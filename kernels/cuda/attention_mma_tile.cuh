@@ -32,8 +32,6 @@
 
 #include <math_constants.h>
 
-#include <atomic>
-
 #include "attention_mma.cuh"
 #include "wgmma.cuh"
 
@@ -81,6 +79,8 @@ __device__ __forceinline__ LanePositions lane_positions(const AttentionParams &p
 struct TileSlots {
     uint32_t seen[2];
     TileView view;
+
+    __device__ __forceinline__ bool sees(int32_t row) const { return ((row < 32 ? seen[0] : seen[1]) >> (row % 32)) & 1u; }
 };
 
 __device__ __forceinline__ TileSlots tile_slots(const AttentionParams &p, int32_t tile_start, LanePositions pos,
@@ -172,8 +172,7 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
     using S = MmaShape<kHeadDim, kWarps>;
     copy_key_tile<T, kHeadDim, S::kThreads, S::kKeys, kWithValues, kWgmmaLayout>(
         p, blocks, kv_head, tile_start, stage,
-        [&](int32_t row) { return bool(((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u); },
-        [](int32_t, bool) {});
+        [&](int32_t row) { return slots.sees(row); }, [](int32_t, bool) {});
 }
 
 // The end of the key tiles [tile_begin, tile_end) that the CTA needs: one past the last tile holding
@@ -323,7 +322,7 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 // FlashAttention-3). In for_each_key_tile the warps that compute also copy their tiles (~200 of a
 // warp's ~600 instructions a 64-key tile) and meet at a CTA barrier every tile; leaving both out made
 // a 4K prefill chunk 16% faster on an H200 (timing probes, docs/benchmarks/runs.md, twelfth session).
-// Here a fourth warpgroup (threads kThreads .. kThreads + 127) gathers the tiles, and the kWarps
+// Here a fourth warpgroup (threads S::kThreads .. S::kThreads + 127) gathers the tiles, and the kWarps
 // consumer warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier
 // proved:
 //   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc,
@@ -385,7 +384,9 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
         // What the tile shows the CTA (each warp works it out for its copies), then its copies (unless
         // hidden): the rows and layout of copy_key_tile, the pool blocks of all of a thread's rows read
         // at once, then kCopyUnroll rows' copies at a time (registers for all of them would come out of
-        // the consumers').
+        // the consumers'). (copy_key_tile itself, given the first thread and the unroll, compiles to 8
+        // more instructions a head-dim-128 kernel, V copies' addresses no longer folded: unmeasured, so
+        // not swapped in yet.)
         const auto fill_stage = [&](int32_t tile, LanePositions pos, int stage) {
             const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
             if (threadIdx.x == S::kThreads) {
@@ -401,7 +402,7 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
 #pragma unroll Ring::kCopyUnroll
                 for (int i = 0; i < Rows::kChunks; ++i) {
                     const int32_t row = Rows::first_row() + i * Rows::kRowStride;
-                    const bool seen = ((row < 32 ? slots.seen[0] : slots.seen[1]) >> (row % 32)) & 1u;
+                    const bool seen = slots.sees(row);
                     const uint32_t in_block =
                         uint32_t((head_row + ((tile * S::kKeys + row) & slot_mask)) * kHeadDim + chunk * 8);
                     const T *k_src =
@@ -460,29 +461,14 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
 #endif // CONDUIT_WGMMA
 
 
-// A property of the current device, computed by compute() (a positive int) once per device: launch
-// shapes differ between devices of different architectures in one process.
-template <typename Compute> int once_per_device(std::atomic<int> (&cache)[64], Compute &&compute) {
-    int device = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    if (device < 0 || device >= 64) return compute();
-    int value = cache[device].load();
-    if (value == 0) {
-        value = compute();
-        cache[device].store(value);
-    }
-    return value;
-}
-
 // Raises kKernel's dynamic shared-memory limit to `bytes`, once per device.
 template <auto kKernel> void allow_dynamic_smem(size_t bytes) {
-    static bool done[64] = {};
-    int device = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    if (device >= 0 && device < 64 && done[device]) return;
-    CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(kKernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(bytes)));
-    if (device >= 0 && device < 64) done[device] = true;
+    static std::atomic<int> done[64];
+    once_per_device(done, [bytes] {
+        CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(kKernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+        return 1;
+    });
 }
 
 // One warp's rows: which (query, head) each of its two fragment rows (g and g + 8) is. Rows are

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -37,6 +38,21 @@ inline void check_cuda(cudaError_t err, const char *call, const char *file, int 
 #define CUDA_CHECK(call) ::conduit::kernels::cuda::check_cuda((call), #call, __FILE__, __LINE__)
 // After a kernel launch: reports a bad launch configuration (or an earlier asynchronous error).
 #define CUDA_CHECK_LAUNCH(kernel_name) ::conduit::kernels::cuda::check_cuda(cudaGetLastError(), kernel_name, __FILE__, __LINE__)
+
+// A property of the current device, computed by compute() (a positive int) once per device and kept
+// in cache (devices past 64: computed on every call): launch shapes, occupancy and settings differ
+// between devices of different architectures in one process.
+template <typename Compute> int once_per_device(std::atomic<int> (&cache)[64], Compute &&compute) {
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    if (device < 0 || device >= 64) return compute();
+    int value = cache[device].load();
+    if (value == 0) {
+        value = compute();
+        cache[device].store(value);
+    }
+    return value;
+}
 
 // Arguments that break the kernels' preconditions (the runtime checks them first; this is a guard).
 inline void require(bool ok, const char *what) {

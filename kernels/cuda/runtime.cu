@@ -188,18 +188,13 @@ bool decode_overlap_enabled() {
 }
 
 bool chained_launch_enabled() {
-    constexpr int kDevices = 64;
-    static std::atomic<int8_t> decided[kDevices]; // 0: not yet, 1: off, 2: on
-    int device = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    if (device < 0 || device >= kDevices) return false;
-    const int8_t known = decided[device].load(std::memory_order_relaxed);
-    if (known) return known == 2;
-    int major = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    const bool on = major >= 9 && env_not_zero("CONDUIT_PDL");
-    decided[device].store(on ? 2 : 1, std::memory_order_relaxed);
-    return on;
+    static std::atomic<int> decided[64]; // 1: off, 2: on
+    return once_per_device(decided, [] {
+        int device = 0, major = 0;
+        CUDA_CHECK(cudaGetDevice(&device));
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+        return major >= 9 && env_not_zero("CONDUIT_PDL") ? 2 : 1;
+    }) == 2;
 }
 
 namespace {

@@ -867,10 +867,10 @@ int main(int argc, char **argv) {
         }
     test_attention(kc::DType::BF16, 4, 2, 128, 16, 200, 128, false, Layout::kCausalChunk);
     test_attention(kc::DType::F16, 4, 2, 64, 16, 330, 128, false, Layout::kRandom, 0b01010);
-    // CTAs of 8 warps, with wgmma and a producer warpgroup (-D CONDUIT_EMU_WGMMA=1 -D
-    // CONDUIT_MMA_PRODUCER=1: for_each_key_tile_specialized, a ring of 4 stages): one tile and three
-    // (fewer than the stages), hidden tiles inside the ring's first fill and after it, every tile
-    // hidden; without the producer, the CTA-barrier loop on the same cases.
+    // CTAs of 8 warps, with wgmma and a producer warpgroup (-D CONDUIT_EMU_WGMMA=1, the producer on by
+    // default: for_each_key_tile_specialized, a ring of 4 stages): one tile and three (fewer than the
+    // stages), hidden tiles inside the ring's first fill and after it, every tile hidden; without
+    // wgmma or with -D CONDUIT_MMA_PRODUCER=0, the CTA-barrier loop on the same cases.
     for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
         for (int d : {64, 128}) {
             test_attention(t, 4, 2, d, 16, 40, 128, false, Layout::kCausalChunk);
