@@ -180,8 +180,9 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
 // chunk, and in CONDUIT's recompute, a CTA's queries see only a prefix of the keys, and every tile
 // past it still cost the loop a barrier, the positions' round trip and the votes: half the loop's
 // iterations on a 4K chunk (Nsight Compute on an H200). The scan (visible_slot_bounds) runs while
-// the loop's first tiles load. Call from all threads (kWarps warps).
-template <int kWarps, int kKeys>
+// the loop's first tiles load. Call from all threads (kWarps warps); kOneCallSite as
+// visible_slot_bounds's.
+template <int kWarps, int kKeys, bool kOneCallSite = true>
 __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, int32_t max_q_pos, int32_t tile_begin,
                                                     int32_t tile_end) {
     const int32_t begin = tile_begin * kKeys, end = min(tile_end * kKeys, p.n_tokens);
@@ -189,7 +190,7 @@ __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, in
     // The range's last slot visible: the scan could only return tile_end (one broadcast load; the
     // common case of queries after every key of their split, as CONDUIT's text pass).
     if (p.positions[end - 1] <= max_q_pos) return tile_end;
-    const int32_t last = visible_slot_bounds<kWarps>(p.positions, max_q_pos, begin, end).last;
+    const int32_t last = visible_slot_bounds<kWarps, kOneCallSite>(p.positions, max_q_pos, begin, end).last;
     return last < 0 ? tile_begin : last / kKeys + 1;
 }
 
@@ -375,8 +376,8 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
     __syncthreads(); // the barriers exist before anyone arrives
 
     // The two roles part here for good: each calls the scan's CTA barrier from its own branch (the
-    // branches are warp-uniform), so that no code the consumers run with their registers live is
-    // also the producer's, whose budget is small.
+    // branches are warp-uniform; the barrier is the unaligned one), so that no code the consumers
+    // run with their registers live is also the producer's, whose budget is small.
     if (threadIdx.x >= S::kThreads) {
         registers_decrease<Ring::kProducerRegisters>();
         using Blocks = TileBlocks<kHeadDim, Ring::kProducerThreads, S::kKeys, S::kThreads>;
@@ -417,7 +418,7 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
 #pragma unroll 1
         for (int m = 0; m < Ring::kStages && tile_begin + m < tile_end; ++m) // every stage is free: fill them
             fill_stage(tile_begin + m, lane_positions<S::kKeys>(p, tile_begin + m, tile_end), m);
-        tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
+        tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys, false>(p, max_q_pos, tile_begin, tile_end);
         LanePositions next_pos = lane_positions<S::kKeys>(p, tile_begin + Ring::kStages, tile_end);
         int stage = 0;
 #pragma unroll 1
@@ -433,7 +434,7 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
         return false;
     }
     registers_increase<Ring::kConsumerRegisters>();
-    tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys>(p, max_q_pos, tile_begin, tile_end);
+    tile_end = visible_tile_end<Ring::kThreads / 32, S::kKeys, false>(p, max_q_pos, tile_begin, tile_end);
     int32_t *warp_pos = pos_smem + (threadIdx.x / 32) * S::kKeys; // this warp's copy of a masked tile's positions
     LanePositions next_pos = lane_positions<S::kKeys>(p, tile_begin, tile_end);
     int stage = 0, previous_stage = Ring::kStages - 1; // tile's and tile - 1's

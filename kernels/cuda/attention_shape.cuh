@@ -80,12 +80,14 @@ __device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, i
 // The first and the last slot of [begin, end) visible at q_position (positions[slot] <= q_position;
 // last = -1 when none is): one scan of the positions, 4 bytes a slot, coalesced, against the K and V
 // rows a slot outside them would stream. Both many-query kernels narrow their key range with it
-// (trim_to_visible, visible_tile_end). Call from all threads of a CTA of kWarps warps.
+// (trim_to_visible, visible_tile_end). Call from all threads of a CTA of kWarps warps; kOneCallSite
+// false where they call it from more than one place in the code (the warp-specialized loop: the
+// producer's branch and the consumers'), which takes the unaligned CTA barrier.
 struct SlotBounds {
     int32_t first, last;
 };
 
-template <int kWarps>
+template <int kWarps, bool kOneCallSite = true>
 __device__ __forceinline__ SlotBounds visible_slot_bounds(const int32_t *positions, int32_t q_position, int32_t begin,
                                                           int32_t end) {
     __shared__ int32_t warp_bounds[2][kWarps];
@@ -105,7 +107,10 @@ __device__ __forceinline__ SlotBounds visible_slot_bounds(const int32_t *positio
         warp_bounds[0][threadIdx.x / 32] = first;
         warp_bounds[1][threadIdx.x / 32] = last;
     }
-    __syncthreads();
+    if constexpr (kOneCallSite)
+        __syncthreads();
+    else
+        cta_barrier_any_site(); // (common.cuh: why __syncthreads will not do)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
         first = min(first, warp_bounds[0][w]);

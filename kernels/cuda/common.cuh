@@ -216,6 +216,20 @@ template <typename T> __device__ __forceinline__ void load_chunk(const T *p, boo
 }
 
 // ---------------------------------------------------------------------------------------------
+// A CTA barrier that threads reach from different places in the code
+// ---------------------------------------------------------------------------------------------
+// __syncthreads compiles to `bar.sync`, the .aligned barrier: it promises that every thread of the
+// CTA runs this one instruction, and threads arriving from two branches (warp-uniform, not
+// CTA-uniform: the warp-specialized loop's producer and consumers) break that promise (undefined;
+// compute-sanitizer synccheck reports "Divergent thread(s) in block"). The unaligned form counts
+// the CTA's arrivals wherever they come from.
+#ifndef CONDUIT_CUDA_EMULATION
+__device__ __forceinline__ void cta_barrier_any_site() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+#else
+inline void cta_barrier_any_site() { __syncthreads(); } // the emulator's barrier counts threads, not sites
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // cp.async (sm_80+): global -> shared copies that bypass registers
 // ---------------------------------------------------------------------------------------------
 #ifndef CONDUIT_CUDA_EMULATION // emu/emu.h supplies host versions to run these kernels on a CPU
