@@ -148,6 +148,8 @@ int64_t resident_ctas_for(DType dtype, int32_t head_dim, int32_t group) {
     return out;
 }
 
+// Splits of base_ctas CTAs' keys: as many as one wave of resident CTAs holds, at least one, at most
+// kMaxSplits and no more than give each split min_split_tokens of n_tokens.
 // Waves of resident CTAs the tensor-core attention's split plan fills: CONDUIT_MMA_SPLIT_WAVES (1..8,
 // read once; for measuring), default 1.
 int64_t mma_split_waves() {
@@ -159,43 +161,9 @@ int64_t mma_split_waves() {
     return waves;
 }
 
-// The most splits of n_tokens keys: kMaxSplits, and no more than give each min_split_tokens of them.
-int64_t most_splits(int64_t n_tokens, int32_t min_split_tokens) {
-    return std::min<int64_t>(std::max<int64_t>((n_tokens + min_split_tokens - 1) / min_split_tokens, 1), kMaxSplits);
-}
-
-// Splits of base_ctas CTAs' keys: as many as one wave of resident CTAs holds, at least one, at most
-// most_splits.
 int32_t splits_for(int64_t base_ctas, int64_t resident, int64_t n_tokens, int32_t min_split_tokens) {
-    return int32_t(std::clamp<int64_t>(resident / base_ctas, 1, most_splits(n_tokens, min_split_tokens)));
-}
-
-// Whether the tensor-core attention splits uneven grids by their heaviest CTA (mma_splits):
-// CONDUIT_MMA_UNEVEN_SPLITS=0 turns it off (read once; for measuring), default on.
-bool uneven_splits_enabled() {
-    static const bool enabled = [] {
-        const char *env = std::getenv("CONDUIT_MMA_UNEVEN_SPLITS");
-        return !(env && env[0] == '0');
-    }();
-    return enabled;
-}
-
-// The key splits of a tensor-core launch of base_ctas CTAs a split. When every row sees every key (a
-// CONDUIT text pass: 64 CTAs on an H200 that holds 264) the CTAs' work is even, and the keys split
-// until one wave is full (splits_for). In a causal chunk or CONDUIT's recompute (trim_to_visible,
-// R > 1 row tiles whose queries rise in position) row tile r walks about (r + 1) / R of the keys,
-// (R + 1) / 2R on average, and the grid lasts as long as its heaviest CTAs, which walk all of them
-// while the rest of the device idles: the recompute of the TTFT benchmark (LLaVA, MHA) runs 288
-// CTAs on 264 slots, 74 key tiles for the last row tiles against ~45 for the average slot. Split
-// until a split's walk (1 / s of the keys) is no longer than the average slot's share, base (R + 1) /
-// 2R / resident of them: s = ceil(resident 2R / (base (R + 1))). (A 4K prefill chunk holds several
-// waves of CTAs and stays whole.)
-int32_t mma_splits(const AttentionParams &p, int64_t base_ctas, int64_t resident) {
-    const int32_t even = splits_for(base_ctas, resident, p.n_tokens, kMinMmaSplitKeys);
-    const int64_t row_tiles = base_ctas / p.n_kv_heads;
-    if (!p.trim_to_visible || row_tiles < 2 || !uneven_splits_enabled()) return even;
-    const int64_t uneven = (resident * 2 * row_tiles + base_ctas * (row_tiles + 1) - 1) / (base_ctas * (row_tiles + 1));
-    return int32_t(std::max<int64_t>(even, std::min(uneven, most_splits(p.n_tokens, kMinMmaSplitKeys))));
+    const int64_t by_length = std::max<int64_t>((n_tokens + min_split_tokens - 1) / min_split_tokens, 1);
+    return int32_t(std::clamp<int64_t>(resident / base_ctas, 1, std::min<int64_t>(by_length, kMaxSplits)));
 }
 
 // The split plan of a decode step over a batch: planned on the capacity (max_tokens), not the
@@ -230,9 +198,11 @@ size_t batch_workspace_bytes(const BatchView &kv, const BatchPlan &plan, int32_t
     return counters_bytes(plan.resident_ctas) + partials_bytes(kv.n_seqs, n_heads, kv.head_dim, plan.n_splits);
 }
 
-// Sets p.split_tokens and p.n_splits: `splits` of the keys, each rounded up to whole tiles of
-// tile_rows slots.
-void plan_splits_of(AttentionParams &p, int64_t splits, int32_t tile_rows) {
+// Sets p.split_tokens and p.n_splits for a kernel that launches base_ctas CTAs per split (see
+// plan_splits): the splits of splits_for, each rounded up to whole tiles of tile_rows slots.
+void plan_splits_of(AttentionParams &p, int64_t base_ctas, int32_t tile_rows, int32_t min_split_tokens,
+                    int64_t resident_ctas) {
+    const int64_t splits = splits_for(base_ctas, resident_ctas, p.n_tokens, min_split_tokens);
     const int64_t per_split = (int64_t(p.n_tokens) + splits - 1) / splits;
     const int64_t rounded = std::max<int64_t>((per_split + tile_rows - 1) / tile_rows * tile_rows, tile_rows);
     p.split_tokens = int32_t(rounded);
@@ -242,8 +212,7 @@ void plan_splits_of(AttentionParams &p, int64_t splits, int32_t tile_rows) {
 } // namespace
 
 void plan_splits(AttentionParams &p, int32_t tile_rows, int32_t min_split_tokens, int64_t resident_ctas) {
-    const int64_t base_ctas = int64_t(p.n_q) * p.n_kv_heads * p.head_tiles;
-    plan_splits_of(p, splits_for(base_ctas, resident_ctas, p.n_tokens, min_split_tokens), tile_rows);
+    plan_splits_of(p, int64_t(p.n_q) * p.n_kv_heads * p.head_tiles, tile_rows, min_split_tokens, resident_ctas);
 }
 
 AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
@@ -291,11 +260,11 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     // many queries: tensor cores (whose softmax folds a positive scale into its exponent: a zero or
     // negative one, which no model uses, takes the CUDA-core kernels below)
     if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group) && p.scale_log2 > 0.0f) {
+        // Few rows per KV head give fewer CTAs than the device holds (a CONDUIT text pass: 64 on an
+        // H200 that holds 264), each streaming every key alone: split the keys until one wave is full.
         const int warps = mma_warps_for(p);
-        plan_splits_of(p,
-                       mma_splits(p, mma_attention_base_ctas(p, warps),
-                                  mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * mma_split_waves()),
-                       kMmaTileKeys);
+        plan_splits_of(p, mma_attention_base_ctas(p, warps), kMmaTileKeys, kMinMmaSplitKeys,
+                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * mma_split_waves());
         place_stream_partials(p, as_stream(stream), false);
         launch_mma_attention_and_merge(p, kv.dtype, warps, as_stream(stream));
         return;
