@@ -12,7 +12,7 @@ cmake -S . -B /tmp/c45-build -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90a -DCONDUIT_C
 export CONDUIT_LIB=/tmp/c45-build/libconduit.so
 race() {  # test file
     local name; name=$(basename "$1" .py)
-    timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=conduit --print-limit 50 --error-exitcode 9 \
+    timeout 120 compute-sanitizer --tool racecheck --kernel-name kns=conduit --print-limit 50 --error-exitcode 9 \
         python3 -m pytest -q -m gpu -p no:cacheprovider "$1" > "$work/racecheck_$name.log" 2>&1
     echo "racecheck $name rc=$? t=$SECONDS"
 }
@@ -24,5 +24,5 @@ for log in "$work"/racecheck_*.log; do
     echo "== $(basename "$log")"; grep -E "SUMMARY|passed|failed|Internal Sanitizer" "$log" | tail -3
 done
 save
-timeout 120 python3 -m conduit_rt.bench --out "$work/bench" > "$work/bench.log" 2>&1; echo "bench rc=$? t=$SECONDS"
+[ $SECONDS -lt 290 ] && timeout 100 python3 -m conduit_rt.bench --out "$work/bench" > "$work/bench.log" 2>&1; echo "bench rc=$? t=$SECONDS"
 tail -24 "$work/bench.log"; save; echo "done t=$SECONDS"
