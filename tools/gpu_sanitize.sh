@@ -11,8 +11,11 @@
 #   and cuDNN's own kernels and takes the model-level files far past an hour; so racecheck runs the
 #   files whose GPU tests check our kernels against references (docs/benchmarks/runs.md, fifteenth
 #   session, says which of them reach a GEMM).
-# memcheck runs with torch's caching allocator on: a CUDA graph cannot be captured without it, and
-# the arena and the kernels' own buffers are the library's cudaMalloc either way.
+# memcheck runs with torch's caching allocator on: a CUDA graph cannot be captured without it. The
+# arena and the library's own buffers are its own cudaMalloc either way; the queries and outputs it
+# gets from torch sit in torch's pool, where an overrun would stay inside an allocation (for those,
+# PYTORCH_NO_CUDA_MEMORY_CACHING=1: the fifteenth session's call 42, 0 device errors, the graph
+# tests failing to capture).
 # Usage: tools/gpu_sanitize.sh [LOG-FOLDER [TOOL...]]  (folder default $OUT or /tmp/conduit-gpu; tools
 # default memcheck synccheck racecheck; CONDUIT_LIB set, or source tools/gpu_build.sh first). Prints
 # one summary per run; exit status 1 if any run failed.
