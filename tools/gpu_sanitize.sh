@@ -9,8 +9,10 @@
 #   half-precision GEMMs (compute-sanitizer of CUDA 13 on an H200: one bf16 F.linear reproduces
 #   it, and every test after it fails), and without the filter it reports races inside cuBLAS's
 #   and cuDNN's own kernels and takes the model-level files far past an hour; so racecheck runs the
-#   files whose GPU tests check our kernels against references (docs/benchmarks/runs.md, fifteenth
-#   session, says which of them reach a GEMM).
+#   files whose GPU tests check our kernels against references, one process each, so that a file
+#   reaching a half-precision GEMM loses only its own tests (its log shows "Internal Sanitizer
+#   Error"). As of the fifteenth session the kernel and top-k files are known to run whole under it
+#   (docs/benchmarks/runs.md); the others had no device time left to be tried.
 # memcheck runs with torch's caching allocator on: a CUDA graph cannot be captured without it. The
 # arena and the library's own buffers are its own cudaMalloc either way; the queries and outputs it
 # gets from torch sit in torch's pool, where an overrun would stay inside an allocation (for those,
