@@ -82,7 +82,9 @@ __device__ __forceinline__ int32_t tiles_before_wait(const AttentionParams &p, i
 // rows a slot outside them would stream. Both many-query kernels narrow their key range with it
 // (trim_to_visible, visible_tile_end). Call from all threads of a CTA of kWarps warps; kOneCallSite
 // false where they call it from more than one place in the code (the warp-specialized loop: the
-// producer's branch and the consumers'), which takes the unaligned CTA barrier.
+// producer's branch and the consumers'), which takes the unaligned CTA barrier. (Not everywhere: for
+// sm_80 ptxas wraps the unaligned one in a reconvergence, BSSY / BSYNC, and two more barriers a kernel
+// in attention_mma.cu; for sm_90a the code is the same.)
 struct SlotBounds {
     int32_t first, last;
 };
