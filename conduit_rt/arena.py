@@ -396,12 +396,12 @@ class Sequence(_Child):
 
     def write_kv_attention(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                            slots: Iterable[int] | torch.Tensor | None, rope_pos: torch.Tensor | None,
-                           q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           q: torch.Tensor, q_pos: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``write_kv`` then ``attention``: a decoder layer's two arena calls (a ``DecodeStep`` makes
         them one kernel)."""
         self.write_kv(layer, k, v, slots, rope_pos=rope_pos)
-        return self.attention(layer, q, q_pos, scale, out=out)
+        return self.attention(layer, q, q_pos, scale, return_lse=return_lse, out=out)
 
     def attention_stats(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
                         threshold: float = 0.01) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -418,17 +418,29 @@ class Sequence(_Child):
         self._stats(layer, q, n_q, n_heads, q_pos, scale, threshold, mass, n_below, lse)
         return mass, n_below, lse
 
-    def attention_mass(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """Only the mass of ``attention_stats`` (float32 [n_tokens]), into ``out`` if given (a
-        contiguous float32 [n_tokens] tensor on the arena's device, e.g. a row of a per-layer table:
-        CONDUIT's scoring loop makes no allocation per layer)."""
-        n_tokens = self.n_tokens(layer)
-        if out is None:
-            out = torch.empty(n_tokens, dtype=torch.float32, device=self.arena.device)
-        self.arena.ptr(out, "out", [n_tokens], torch.float32)
-        self._stats(layer, q, *self._stats_shape(q), q_pos, scale, 0.0, out, None, None)
-        return out
+    def attention_mass(self, layers: Seq[int], q: torch.Tensor, q_pos: torch.Tensor, lse: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """CONDUIT's scoring over several layers in one native call, each query row's log-sum-exp
+        known: the mass of ``attention_stats`` per layer, the keys read once (see
+        conduit_seq_attention_mass). q [n_layers, n_q, n_heads, head_dim] (arena dtype), q_pos int32
+        [n_q] and lse float32 [n_layers, n_q, n_heads] (natural log: ``attention(...,
+        return_lse=True)`` of the same queries) on the arena device; every layer must hold as many
+        tokens. Returns float32 [n_layers, n_tokens]."""
+        layers = [int(layer) for layer in layers]
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or int(q.shape[0]) != len(layers):
+            raise InvalidArgumentError(f"q must be a [{len(layers)}, n_q, n_heads, head_dim] tensor")
+        n_q, n_heads = int(q.shape[1]), int(q.shape[2])
+        qp = self.arena.ptr(q, "q", [len(layers), n_q, n_heads, self.arena.head_dim])
+        pp = self.arena.ptr(q_pos, "q_pos", [n_q], torch.int32)
+        lp = self.arena.ptr(lse, "lse", [len(layers), n_q, n_heads], torch.float32)
+        n_tokens = self.n_tokens(layers[0]) if layers else 0
+        mass = torch.empty(len(layers), n_tokens, dtype=torch.float32, device=self.arena.device)
+        f = self._ffi
+        native.check(self._lib.conduit_seq_attention_mass(
+            self.handle, len(layers), f.new("int32_t[]", layers) if layers else f.NULL, n_q, n_heads, qp,
+            f.cast("int32_t *", pp), float(scale), f.cast("float *", lp), f.cast("float *", mass.data_ptr()),
+            self.arena.stream()), "attention mass")
+        return mass
 
     def _stats_shape(self, q: torch.Tensor) -> tuple[int, int]:
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -515,15 +527,16 @@ class DecodeStep(_Child):
 
     def write_kv_attention(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: None,
                            rope_pos: torch.Tensor | None, q: torch.Tensor, q_pos: torch.Tensor | None = None,
-                           scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float = 1.0, out: torch.Tensor | None = None, return_lse: bool = False
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``write_kv`` then ``attention`` (the same bits) in one native call, which on CUDA writes the
         new rows inside the attention kernel: one launch fewer per layer."""
         kv_args = self._kv_args(k, v, slots, rope_pos)
-        qp, out, lse = self._attention_args(q, out, False)
+        qp, out, lse = self._attention_args(q, out, return_lse)
         native.check(self._lib.conduit_step_write_kv_attention(self.handle, layer, *kv_args, qp, float(scale),
                                                                *self._outputs(out, lse), self.arena.stream()),
                      "decode step KV write and attention")
-        return out
+        return (out, lse) if return_lse else out
 
     def _kv_args(self, k: torch.Tensor, v: torch.Tensor, slots: None, rope_pos: torch.Tensor | None) -> tuple:
         """(k, v, rope_pos) pointers of the new tokens, checked."""

@@ -217,6 +217,9 @@ class Recompressor:
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
         self.q.setdefault(layer, []).append(q.clone())
 
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        """Not needed: the re-compression's statistics find their own normaliser."""
+
     def after_step(self, position: int) -> None:
         self.recent.append(position)
         if len(self.recent) < self.every:

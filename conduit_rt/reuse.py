@@ -6,7 +6,9 @@
   2. text pass: every token that was not restored (text, and images that missed) through all layers,
      attending to the mixed KV; the query rows' q is captured (and, for images to store, K and V);
   3. scores (only for policies that use them): per chosen layer the attention mass the query rows
-     put on each restored token (native ``attention_stats``, no [n_q, n] matrix), times value norms;
+     put on each restored token, times value norms: one native call over every chosen layer
+     (``Sequence.attention_mass``, no [n_q, n] matrix), normalised by the log-sum-exp the text pass's
+     attention returned for those rows (the keys have not changed since);
   4. selection by the refresh policy under the budget ceil(r * N_vis);
   5. recompute: the selected visual tokens (from their cached embeddings) and every non-restored
      token after the first selected one, causal by position over the mixed KV, overwriting their
@@ -52,19 +54,22 @@ class RestoredImage:
 
 
 class PassCapture:
-    """LayerCapture of a request's passes: q of the observed positions per layer (the latest pass
-    that computed a position wins), and pre-RoPE K and V of the image tokens to store.
+    """LayerCapture of a request's passes: q and the attention's log-sum-exp of the observed positions
+    per layer (the latest pass that computed a position wins), and pre-RoPE K and V of the image
+    tokens to store.
 
     Per layer, each pass's observed q rows stay one tensor ([n_observed, n_heads, head_dim]) beside
     the pass's position -> row map, which is built once per chunk and shared by its layers: a layer
     costs one gather (a copy when the rows are consecutive, as a text pass's trailing question is),
     no per-position work and no host sync (the row index is uploaded once per chunk, without
-    blocking).
+    blocking). Their lse rows ([n_observed, n_heads] float32) are a view of the attention's own
+    output when consecutive (no launch), else one gather.
     """
 
     def __init__(self, observe: set[int], store: dict[bytes, tuple[int, int]]) -> None:
         self.observe, self.store = observe, store
         self.q: dict[int, list[tuple[dict[int, int], torch.Tensor]]] = {}  # layer -> [(position -> row, q rows)]
+        self.lse: dict[int, list[torch.Tensor]] = {}  # layer -> lse rows, one per entry of self.q[layer]
         self._kv: dict[bytes, dict[int, tuple[list, list]]] = {key: {} for key in store}
         self._positions: list[int] = []
         self._observed: dict[int, int] = {}  # position -> row among the chunk's observed rows
@@ -89,28 +94,65 @@ class PassCapture:
                 ks.append(k_pre_rope[idx].clone())
                 vs.append(v[idx].clone())
 
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        if self._rows.rows:
+            self.lse.setdefault(layer, []).append(self._observed_rows(lse, copy=False))
+
     def _observed_q(self, q: torch.Tensor) -> torch.Tensor:
         """The chunk's observed rows of q, in a tensor of their own (q may be a buffer the next
         layer overwrites)."""
+        return self._observed_rows(q, copy=True)
+
+    def _observed_rows(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
+        """The chunk's observed rows of t: a slice (copied if ``copy``) when consecutive, else a gather."""
         rows = self._rows.rows
         if rows[-1] - rows[0] + 1 == len(rows):
-            return q[rows[0]: rows[0] + len(rows)].clone()
-        return q[self._rows.on(q.device)]
+            view = t[rows[0]: rows[0] + len(rows)]
+            return view.clone() if copy else view
+        return t[self._rows.on(t.device)]
 
     def queries(self, layer: int, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
         """q at ``layer`` of those ``positions`` that were computed: ([n, n_heads, head_dim], positions)."""
-        passes = self.q.get(layer, [])
+        q, found = self._rows_of(self.q.get(layer, []), positions)
+        return (q.contiguous(), found) if found else (torch.zeros(0), [])
+
+    def scoring_rows(self, layers: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """q and the attention's lse of those ``positions`` that were computed, every layer of ``layers``
+        stacked: ([n_layers, n, n_heads, head_dim], float32 [n_layers, n, n_heads], positions); the
+        positions must be the same in every layer (a pass computes all of them). Tensors are None when
+        none was computed."""
+        qs, lses, found = [], [], None
+        for layer in layers:
+            passes = self.q.get(layer, [])
+            lses_of_layer = self.lse.get(layer, [])
+            if len(lses_of_layer) != len(passes):
+                raise RuntimeError(f"layer {layer}: a pass kept q without its attention's lse")
+            q, layer_found = self._rows_of(passes, positions)
+            lse, _ = self._rows_of([(rows, lse) for (rows, _), lse in zip(passes, lses_of_layer)], positions)
+            if found is not None and layer_found != found:
+                raise RuntimeError(f"layer {layer} computed other query positions than layer {layers[0]}")
+            found = layer_found
+            qs.append(q)
+            lses.append(lse)
+        if not found:
+            return None, None, []
+        return torch.stack(qs), torch.stack(lses), found
+
+    def _rows_of(self, passes: list[tuple[dict[int, int], torch.Tensor]], positions: list[int]
+                 ) -> tuple[torch.Tensor | None, list[int]]:
+        """The rows of the passes' tensors holding those ``positions`` that were computed (the latest
+        pass wins), in the order of ``positions``: (tensor or None, the positions found)."""
         found, gather = self._query_plan(tuple(rows for rows, _ in passes), positions)
         found = list(found)  # the plan's own is shared by every layer
         if not found:
-            return torch.zeros(0), []
+            return None, []
         if isinstance(gather, int):  # one pass computed them all, as its rows in order
-            return passes[gather][1].contiguous(), found
+            return passes[gather][1], found
         if isinstance(gather, tuple):  # one pass, some of its rows: one gather
             index, rows = gather
             tensor = passes[index][1]
-            return tensor[rows.on(tensor.device)].contiguous(), found
-        return torch.stack([passes[index][1][row] for index, row in gather]).contiguous(), found
+            return tensor[rows.on(tensor.device)], found
+        return torch.stack([passes[index][1][row] for index, row in gather]), found
 
     def _query_plan(self, maps: tuple[dict[int, int], ...], positions: list[int]) -> tuple[list[int], object]:
         """Which of ``positions`` the passes computed and where their q rows lie, worked out once per
@@ -222,9 +264,12 @@ class ReusePass:
         visual = [False] * self.n_prompt
         if not self.restored:
             return visual
-        spans = [torch.arange(r.slot.start, r.slot.start + r.slot.n_tokens) for r in self.restored]
-        slots = torch.cat(spans)
-        rope = self.rope[..., slots].contiguous().to(self.model.device, non_blocking=True)  # one upload, all images
+        # numpy for the host index work: torch's index of the CPU tensor took 1.8 ms of a profiled
+        # request on the H200's host (10 us alone; the cause was not found), numpy's takes microseconds
+        slots = np.concatenate([np.arange(r.slot.start, r.slot.start + r.slot.n_tokens, dtype=np.int32)
+                                for r in self.restored])
+        rope = torch.from_numpy(np.ascontiguousarray(self.rope.numpy()[..., slots]))
+        rope = rope.to(self.model.device, non_blocking=True)  # one upload, all images
         self.seq.restore_images([r.cached.entry for r in self.restored], slots=slots, rope_pos=rope)
         for r in self.restored:
             visual[r.slot.start:r.slot.start + r.slot.n_tokens] = [True] * r.slot.n_tokens
@@ -242,11 +287,10 @@ class ReusePass:
     def _batch(self, positions: list[int]) -> ForwardBatch:
         device = self.model.device
         slots = np.asarray(positions, dtype=np.int32)  # once: every layer's KV write reads it
-        index = torch.from_numpy(slots)
+        rope = torch.from_numpy(np.ascontiguousarray(self.rope.numpy()[..., slots]))  # numpy: see _restore
         # non_blocking: a blocking copy from the host waits for every kernel queued before it
-        return ForwardBatch(positions=index.to(device, non_blocking=True),
-                            rope_positions=self.rope[..., index.long()].contiguous().to(device, non_blocking=True),
-                            slots=slots)
+        return ForwardBatch(positions=torch.from_numpy(slots).to(device, non_blocking=True),
+                            rope_positions=rope.to(device, non_blocking=True), slots=slots)
 
     def _visual_tokens(self) -> VisualTokens:
         slots, image = [], []
@@ -298,6 +342,9 @@ class _DeltaCapture:
         self.visual_index, self.cached_kv, self.inner = visual_index, cached_kv, inner
         self.change: torch.Tensor | None = None
 
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        self.inner.on_attention(layer, lse)
+
     def on_layer(self, layer: int, q, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
         self.inner.on_layer(layer, q, k_pre_rope, v)
         is_visual = self.visual_index >= 0
@@ -333,21 +380,16 @@ class _PassScores:
             config, seq = self.run.model.config, self.run.seq
             device = self.run.model.device
             slots = self.tokens.slots.to(device, non_blocking=True)
-            # No host sync and no allocation inside the loop: q positions are uploaded once per distinct
-            # list (the same for every layer in practice), and each layer's mass goes to its row of one
-            # table (the layers hold as many slots: the text pass wrote them all).
-            uploaded: dict[tuple[int, ...], torch.Tensor] = {}
-            masses = torch.empty(len(self.layers), seq.n_tokens(self.layers[0]), dtype=torch.float32, device=device)
-            counts = []
-            for row, layer in enumerate(self.layers):
-                q, found = self.capture.queries(layer, self.run.query_positions)
-                key = tuple(found)
-                if key not in uploaded:
-                    uploaded[key] = torch.tensor(found, dtype=torch.int32).to(device, non_blocking=True)
-                seq.attention_mass(layer, q, uploaded[key], config.attention_scale, out=masses[row])
-                counts.append(q.shape[0] * config.n_heads)
-            per_row = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
-            self._attention = masses[:, slots] / per_row[:, None]
+            # One native call for every layer (the layers hold as many slots: the text pass wrote them
+            # all), normalised by the text pass's own log-sum-exp of each row: no score pass, no host
+            # sync, no per-layer launch from Python.
+            q, lse, found = self.capture.scoring_rows(self.layers, self.run.query_positions)
+            if not found:
+                self._attention = torch.zeros(len(self.layers), self.tokens.n, device=device)
+            else:
+                q_pos = torch.tensor(found, dtype=torch.int32).to(device, non_blocking=True)
+                masses = seq.attention_mass(self.layers, q, q_pos, lse, config.attention_scale)
+                self._attention = masses[:, slots] / (len(found) * config.n_heads)
             self.used = True
             self.flops = len(self.layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
                                                 for p in self.run.query_positions)

@@ -138,6 +138,11 @@ CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
        n_below float32 [n_heads] or null, lse float32 [n_q, n_heads] or null. */                          \
     void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
                          float scale, float threshold, float *mass, float *n_below, float *lse, void *stream);     \
+    /* The mass of attention_stats alone, each row's natural-log log-sum-exp given (lse float32 [n_q,   \
+       n_heads], as attention returns it for these queries over this layer): the score pass that finds \
+       it is skipped, so the keys are read once. mass float32 [n_tokens] (overwritten). */               \
+    void attention_mass(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
+                        float scale, const float *lse, float *mass, void *stream);                           \
     /* Decode-step write: k, v [n_seqs, n_kv_heads, head_dim], one new token per sequence, into slot   \
        n_tokens[i] - 1 of sequence i; K rotated at rope_pos ([n_seqs] or [3, n_seqs]) when rope.type   \
        != 0. Reads the lengths and tables on the device, so it can be graph-captured. */                 \

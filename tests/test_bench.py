@@ -51,6 +51,7 @@ def test_kernels_match_a_float32_reference(report):
         assert any("seconds" in backend for backend in kernels[name]["sdpa"].values()), name
     assert kernels["topk"]["same_indices"]
     assert kernels["scoring"]["selected"] == kernels["scoring"]["budget"] > 0
+    assert kernels["scoring"]["mass_rel_err_vs_attention_stats"] < 1e-4  # the lse given vs found again
 
 
 def test_end_to_end_runs_are_all_reported(report):

@@ -280,12 +280,45 @@ def test_attention_stats_match_the_materialised_probabilities(device, dtype, n_k
     assert (n_below.cpu().double() - ref_below).abs().max() <= max(2, 0.002 * float(ref_below.max()))
     # each (query, head) row that sees a key spreads a probability mass of exactly 1
     assert float(mass.sum()) == pytest.approx(float(torch.isfinite(ref_lse).sum()), rel=1e-4)
-    # the mass alone (no counts, no lse), into a row of a table: the same numbers, bit for bit
-    table = torch.full((2, n_tokens), float("nan"), device=device)
-    assert seq.attention_mass(0, q, q_pos.to(device), 1 / math.sqrt(head_dim), out=table[1]).data_ptr() == table[1].data_ptr()
-    assert torch.equal(table[1], mass) and torch.equal(seq.attention_mass(0, q, q_pos.to(device), 1 / math.sqrt(head_dim)), mass)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_kv_heads,group,head_dim,n_tokens,n_q", [(2, 2, 64, 45, 5), (1, 4, 128, 130, 17), (4, 1, 128, 300, 9)])
+def test_attention_mass_with_the_lse_given_matches_the_probabilities(device, dtype, n_kv_heads, group, head_dim,
+                                                                      n_tokens, n_q):
+    """CONDUIT's scoring call: several layers, each row's log-sum-exp taken from the attention of the
+    same queries (as the text pass returns it), one native call."""
+    gen = torch.Generator().manual_seed(3 * n_tokens + n_q)
+    arena = make_arena(device, dtype, n_kv_heads, head_dim, 16, n_layers=3)
+    seq = arena.new_sequence()
+    k_pos = torch.randint(0, n_tokens, (n_tokens,), generator=gen, dtype=torch.int32)
+    seq.append(k_pos)
+    keys = [rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen) * 2 for _ in range(3)]
+    for layer, k in enumerate(keys):
+        seq.write_kv(layer, k, rand((n_tokens, n_kv_heads, head_dim), dtype, device, gen))
+    layers = [2, 0]  # any order: row i of the table is layer layers[i]
+    q = rand((len(layers), n_q, n_kv_heads * group, head_dim), dtype, device, gen)
+    q_pos = torch.randint(n_tokens // 2, n_tokens + 1, (n_q,), generator=gen, dtype=torch.int32)
+    q_pos[0] = -1  # sees no key: lse -inf, no mass
+    scale = 1 / math.sqrt(head_dim)
+    lse = torch.stack([seq.attention(layer, q[i], q_pos.to(device), scale, return_lse=True)[1]
+                       for i, layer in enumerate(layers)])
+    mass = seq.attention_mass(layers, q, q_pos.to(device), lse, scale)
+    assert mass.shape == (len(layers), n_tokens) and mass.dtype == torch.float32
+    for i, layer in enumerate(layers):
+        ref_mass, _ = reference.attention_stats(q[i].cpu(), keys[layer].cpu(), q_pos, k_pos, scale, 0.01)
+        torch.testing.assert_close(mass[i].cpu().double(), ref_mass, atol=1e-3, rtol=1e-3)
+        stats_mass, _, _ = seq.attention_stats(layer, q[i], q_pos.to(device), scale)
+        torch.testing.assert_close(mass[i], stats_mass, atol=1e-3, rtol=1e-3)
+    # bad input: a typed error, nothing written, the sequence still usable
     with pytest.raises(InvalidArgumentError):
-        seq.attention_mass(0, q, q_pos.to(device), 1.0, out=table[:, :-1].reshape(-1)[: n_tokens - 1])
+        seq.attention_mass(layers, q, q_pos.to(device), lse[:, 1:], scale)
+    with pytest.raises(InvalidArgumentError):
+        seq.attention_mass([0, 3], q, q_pos.to(device), lse, scale)
+    seq.compact(1, torch.arange(n_tokens - 1))
+    with pytest.raises(InvalidArgumentError, match="equal lengths"):
+        seq.attention_mass([0, 1], q, q_pos.to(device), lse, scale)
+    assert torch.equal(seq.attention_mass(layers, q, q_pos.to(device), lse, scale), mass)
 
 
 def _load_tool(name: str):

@@ -200,10 +200,13 @@ def test_capture_sees_rotated_q_and_pre_rope_kv(model, processor):
 
     class Recorder:
         def __init__(self):
-            self.seen = {}
+            self.seen, self.lse = {}, {}
 
         def on_layer(self, layer, q, k_pre_rope, v):
             self.seen[layer] = (q.clone(), k_pre_rope.clone(), v.clone())
+
+        def on_attention(self, layer, lse):
+            self.lse[layer] = lse
 
     recorder = Recorder()
     c = model.config
@@ -219,6 +222,12 @@ def test_capture_sees_rotated_q_and_pre_rope_kv(model, processor):
         assert q.shape == (n, c.n_heads, c.head_dim) and k.shape == v.shape == (n, c.n_kv_heads, c.head_dim)
         torch.testing.assert_close(stored[layer][0], apply_rope(k, positions, inv_freq, scaling), rtol=0, atol=1e-5)
         torch.testing.assert_close(stored[layer][1], v, rtol=0, atol=0)
+        # the rows' log-sum-exp after the attention: causal scores of q over the stored (rotated) keys
+        keys = stored[layer][0].double().repeat_interleave(c.n_heads // c.n_kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * c.attention_scale
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        want_lse = torch.logsumexp(scores.masked_fill(~causal, float("-inf")), -1).T
+        torch.testing.assert_close(recorder.lse[layer].double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_text_only_load_without_mmproj(checkpoint, reference, processor):

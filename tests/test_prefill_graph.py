@@ -17,9 +17,13 @@ class QRecorder:
     def __init__(self) -> None:
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
+        self.lse: dict[int, torch.Tensor] = {}
 
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
         self.q[layer], self.k[layer] = q.clone(), k_pre_rope.clone()
+
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        self.lse[layer] = lse
 
 
 def assert_same_kv(got_seq, want_seq, slots: list[int], n_layers: int, tol: dict) -> None:
@@ -94,6 +98,7 @@ def test_replayed_passes_equal_eager_passes(dtype):
         for layer in range(text.num_hidden_layers):
             torch.testing.assert_close(graph_capture.q[layer], eager_capture.q[layer], **tol)
             torch.testing.assert_close(graph_capture.k[layer], eager_capture.k[layer], **tol)
+            torch.testing.assert_close(graph_capture.lse[layer], eager_capture.lse[layer], **tol)
         written |= set(positions)
         assert_same_kv(graph_seq, eager_seq, sorted(written), text.num_hidden_layers, tol)
         assert graphs.replayed_passes == min(number + 1, 3)

@@ -5,7 +5,7 @@ Phases (exclusive times: a phase's nested phases are subtracted from it):
   prefill     ``ReusePass.run`` (the whole prefill; its own remainder goes to "other")
   restore     ``ReusePass._restore``: cached image KV written at the new positions
   text pass   ``ReusePass._forward``: every non-restored token through all layers
-  scoring     ``reuse._PassScores.attention``: the per-layer attention statistics
+  scoring     ``reuse._PassScores.attention``: the attention mass of every chosen layer
   selection   ``refresh.Conduit.select`` without the scoring inside it
   recompute   ``ReusePass._pass`` called by ``ReusePass.run`` itself (the recompute pass, eager or
               replayed from the prefill graphs)

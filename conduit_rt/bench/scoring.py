@@ -3,9 +3,12 @@
 ``scoring``: a ``scoring_layers``-layer arena holding text, ``n_visual`` visual tokens (images of
 ``tokens_per_image``) and the trailing text whose last ``n_text_queries`` tokens are the query
 rows. One timed call is what ``reuse._PassScores.attention`` plus ``refresh.Conduit.select`` do
-in a request: per layer the native ``attention_stats`` over the layer, the visual tokens' mass,
-times the cached value norms, the layer mean, image amplification and the global top-k, ending
-with the selection on the host (so it is timed on the wall clock). Its target is a share of a
+in a request: one native ``attention_mass`` over every layer, normalised by the rows' log-sum-exp
+(which a request takes from its text pass's attention: here from ``Sequence.attention``, untimed),
+the visual tokens' mass times the cached value norms, the layer mean, image amplification and the
+global top-k, ending with the selection on the host (so it is timed on the wall clock). The raw
+results also hold the mass's largest relative difference from ``attention_stats``, which finds the
+normaliser itself. Its target is a share of a
 full prefill of the same request, which the end-to-end run measures (``cli`` joins the two).
 
 ``topk``: ``refresh.top_k_indices`` (what selection calls: the native ``conduit_topk``, indices
@@ -28,20 +31,18 @@ from .timing import Timer
 
 
 class _LayerScores:
-    """The score source of one selection: a_l(t) from ``attention_stats`` per layer (as
+    """The score source of one selection: a_l(t) from one ``attention_mass`` over every layer (as
     ``reuse._PassScores.attention``) and the value norms the image store keeps per entry."""
 
-    def __init__(self, seq, queries: list[torch.Tensor], q_pos: torch.Tensor, slots: torch.Tensor,
+    def __init__(self, seq, queries: torch.Tensor, lse: torch.Tensor, q_pos: torch.Tensor, slots: torch.Tensor,
                  value_norms: torch.Tensor, scale: float, n_heads: int) -> None:
-        self.seq, self.queries, self.q_pos, self.slots = seq, queries, q_pos, slots
+        self.seq, self.queries, self.lse, self.q_pos, self.slots = seq, queries, lse, q_pos, slots
         self.norms, self.scale, self.n_heads = value_norms, scale, n_heads
 
     def attention(self) -> torch.Tensor:
-        rows = []
-        for layer, q in enumerate(self.queries):
-            mass, _, _ = self.seq.attention_stats(layer, q, self.q_pos, self.scale)
-            rows.append(mass[self.slots] / (q.shape[0] * self.n_heads))
-        return torch.stack(rows)
+        layers = range(self.queries.shape[0])
+        mass = self.seq.attention_mass(layers, self.queries, self.q_pos, self.lse, self.scale)
+        return mass[:, self.slots] / (self.queries.shape[1] * self.n_heads)
 
     def value_norms(self) -> torch.Tensor:
         return self.norms
@@ -56,8 +57,10 @@ def scoring(bench: KernelBench) -> dict:
         visual = slice(s.n_text_before, s.n_text_before + s.n_visual)
         norms = torch.stack([v[visual].float().flatten(1).norm(dim=1) for v in vs])  # [L, N_vis]
         del vs
-        queries = [bench.randn(s.n_text_queries, s.n_heads, s.head_dim) for _ in range(s.scoring_layers)]
+        queries = torch.stack([bench.randn(s.n_text_queries, s.n_heads, s.head_dim) for _ in range(s.scoring_layers)])
         q_pos = bench.positions(range(n - s.n_text_queries, n))
+        lse = torch.stack([seq.attention(layer, queries[layer], q_pos, bench.scale, return_lse=True)[1]
+                           for layer in range(s.scoring_layers)])  # the text pass's, in a request
         slots = torch.arange(visual.start, visual.stop, device=bench.device)
         image = torch.arange(s.n_visual) // s.tokens_per_image
         tokens = VisualTokens(slots.cpu(), image, int(image.max()) + 1)
@@ -66,15 +69,19 @@ def scoring(bench: KernelBench) -> dict:
         chosen: list = [None]
 
         def select() -> None:
-            source = _LayerScores(seq, queries, q_pos, slots, norms, bench.scale, s.n_heads)
+            source = _LayerScores(seq, queries, lse, q_pos, slots, norms, bench.scale, s.n_heads)
             chosen[0] = policy.select(tokens, budget, source, options)
 
         timing = bench.timer.wall_time(select)
+        mass = seq.attention_mass(range(s.scoring_layers), queries, q_pos, lse, bench.scale)
+        stats_mass = torch.stack([seq.attention_stats(layer, queries[layer], q_pos, bench.scale)[0]
+                                  for layer in range(s.scoring_layers)])
+        rel_err = float(((mass - stats_mass).abs() / stats_mass.abs().clamp(min=1e-6)).max())
     finally:
         arena.close()
     return {"n_layers": s.scoring_layers, "n_queries": s.n_text_queries, "n_visual": s.n_visual,
             "n_keys": n, "budget": budget, "selected": int(chosen[0].numel()), "seconds": timing.median_s,
-            "time": timing.as_dict()}
+            "time": timing.as_dict(), "mass_rel_err_vs_attention_stats": rel_err}
 
 
 def topk(bench: KernelBench) -> dict:

@@ -106,6 +106,10 @@ class LayerCapture(Protocol):
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
         """q [n, n_heads, head_dim] after RoPE; k_pre_rope, v [n, n_kv_heads, head_dim]; model dtype."""
 
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        """After the layer's attention of the same n rows: lse float32 [n, n_heads], the natural-log
+        log-sum-exp of each row's scaled scores (a fresh tensor: it may be kept as is)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:

@@ -171,11 +171,16 @@ class LlamaAttention(StackedProjections):
                capture: LayerCapture | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Writes the n tokens' K (rotated at ``batch.rope_positions``) and V into the layer's slots,
         then attends q over every stored token of the layer, causal by position: [n, n_heads,
-        head_dim] (into ``out`` when given)."""
-        if capture is not None:
-            capture.on_layer(layer, q, k, v)
-        return seq.write_kv_attention(layer, k, v, batch.slots, batch.rope_positions, q, batch.positions, self.scale,
-                                      out=out)
+        head_dim] (into ``out`` when given). A capture sees q, k and v before, and the rows'
+        log-sum-exp after (CONDUIT's scoring normalises by it instead of finding it again)."""
+        if capture is None:
+            return seq.write_kv_attention(layer, k, v, batch.slots, batch.rope_positions, q, batch.positions,
+                                          self.scale, out=out)
+        capture.on_layer(layer, q, k, v)
+        out, lse = seq.write_kv_attention(layer, k, v, batch.slots, batch.rope_positions, q, batch.positions,
+                                          self.scale, out=out, return_lse=True)
+        capture.on_attention(layer, lse)
+        return out
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """The output projection: attention [n, n_heads, head_dim] -> [n, hidden]."""

@@ -2,7 +2,7 @@
 //
 // Two passes per (query, KV head): the first finds each query head's max score and log-sum-exp, the
 // second turns every visible score into a probability and accumulates it. The [n_q, n_tokens]
-// probability matrix never exists.
+// probability matrix never exists. attention_mass is the second pass alone, the log-sum-exp given.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -59,6 +59,28 @@ void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const vo
     for (int32_t s = 0; s < kv.n_tokens; ++s) mass[s] = float(acc[size_t(s)]);
     if (n_below)
         for (int32_t h = 0; h < n_heads; ++h) n_below[h] = float(below[size_t(h)]);
+}
+
+void attention_mass(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                    float scale, const float *lse, float *mass, void *) {
+    const int32_t d = kv.head_dim, group = n_heads / kv.n_kv_heads;
+    std::vector<float> qf(d), krow(d);
+    std::vector<double> acc(size_t(kv.n_tokens), 0.0);
+    for (int32_t i = 0; i < n_q; ++i) {
+        for (int32_t h = 0; h < n_heads; ++h) {
+            const double row_lse = lse[int64_t(i) * n_heads + h];
+            if (std::isinf(row_lse)) continue; // -inf: the row sees no key
+            for (int32_t e = 0; e < d; ++e) qf[e] = load(q, (int64_t(i) * n_heads + h) * d + e, kv.dtype);
+            for (int32_t s = 0; s < kv.n_tokens; ++s) {
+                if (kv.positions[s] > q_pos[i]) continue;
+                const int64_t off = k_offset(kv, s, h / group);
+                float dot = 0.0f;
+                for (int32_t e = 0; e < d; ++e) dot += qf[e] * load(kv.pool, off + e, kv.dtype);
+                acc[size_t(s)] += std::exp(double(dot * scale) - row_lse);
+            }
+        }
+    }
+    for (int32_t s = 0; s < kv.n_tokens; ++s) mass[s] = float(acc[size_t(s)]);
 }
 
 } // namespace conduit::kernels::cpu

@@ -18,6 +18,8 @@
 //      to one 64-bit integer counter per head (integer atomics: exact).
 //   4. reduce_key_stats_kernel: mass = the partials summed in a fixed order (deterministic),
 //      n_below = the counters as float.
+// attention_mass (the rows' log-sum-exp given, as the attention kernels return it) skips launch 1 and
+// replaces launch 2 with given_score_stats_kernel, which only changes the lse's base.
 #include <algorithm>
 #include <cmath>
 
@@ -51,6 +53,16 @@ __global__ void merge_score_stats_kernel(const AttentionParams p, float *max2, f
     max2[head_row] = best;
     lse2[head_row] = merged;
     if (lse) lse[head_row] = merged * CUDART_LN2_F;
+}
+
+// One thread per (query, head): a given natural-log lse as the key pass reads it (base 2). max2 is
+// only the counts' cut, and attention_mass asks for none: lse2 stands in (finite or -inf, never NaN).
+__global__ void given_score_stats_kernel(const float *lse, int64_t head_rows, float *max2, float *lse2) {
+    const int64_t head_row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (head_row >= head_rows) return;
+    const float base2 = lse[head_row] * CUDART_L2E_F;
+    lse2[head_row] = base2;
+    max2[head_row] = base2;
 }
 
 // The key rows one row group holds of one key tile, as float32 in registers, with their slots and
@@ -297,7 +309,8 @@ __global__ void reduce_key_stats_kernel(const float *partial_mass, int32_t n_par
 }
 
 template <typename T, int kLanes, int kPerLane, int kGroupTile>
-void launch_stats(const AttentionParams &p, float threshold, float *mass, float *n_below, float *lse, cudaStream_t stream) {
+void launch_stats(const AttentionParams &p, float threshold, float *mass, float *n_below, float *lse,
+                  const float *lse_in, cudaStream_t stream) {
     using S = AttnShape<T, kLanes, kPerLane, kGroupTile>;
     const int64_t key_tiles = (int64_t(p.n_tokens) + S::kTileRows - 1) / S::kTileRows;
     const int64_t head_blocks = int64_t(p.n_kv_heads) * p.head_tiles;
@@ -321,8 +334,8 @@ void launch_stats(const AttentionParams &p, float threshold, float *mass, float 
     const int32_t per_chunk = int32_t((p.n_q + q_chunks - 1) / q_chunks);
     q_chunks = (p.n_q + per_chunk - 1) / per_chunk;
 
-    StatsParams sp = prepare_stats(p, int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split),
-                                   int32_t(q_chunks * head_blocks), threshold, stream); // 0 splits without keys
+    const int32_t n_splits = lse_in ? 0 : int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split);
+    StatsParams sp = prepare_stats(p, n_splits, int32_t(q_chunks * head_blocks), threshold, stream); // 0 splits without keys
     sp.queries_per_chunk = per_chunk;
     if (sp.a.n_splits > 0) {
         const dim3 pass1{unsigned(sp.a.n_splits), unsigned(head_blocks), unsigned(score_chunks)};
@@ -330,7 +343,8 @@ void launch_stats(const AttentionParams &p, float threshold, float *mass, float 
             sp.a, int32_t(tiles_per_split), score_per_chunk);
         CUDA_CHECK_LAUNCH("score_max_lse_kernel");
     }
-    merge_score_stats(sp, lse, stream);
+    if (lse_in) given_score_stats(sp, lse_in, stream);
+    else merge_score_stats(sp, lse, stream);
     if (key_tiles > 0) {
         const dim3 pass3{unsigned(key_tiles), unsigned(head_blocks), unsigned(q_chunks)};
         key_stats_kernel<T, kLanes, kPerLane, kGroupTile><<<pass3, kAttnThreads, 0, stream>>>(sp);
@@ -375,6 +389,12 @@ void merge_score_stats(const StatsParams &sp, float *lse, cudaStream_t stream) {
     CUDA_CHECK_LAUNCH("merge_score_stats_kernel");
 }
 
+void given_score_stats(const StatsParams &sp, const float *lse, cudaStream_t stream) {
+    const int64_t head_rows = int64_t(sp.a.n_q) * sp.a.n_heads;
+    given_score_stats_kernel<<<unsigned((head_rows + 127) / 128), 128, 0, stream>>>(lse, head_rows, sp.max2, sp.lse2);
+    CUDA_CHECK_LAUNCH("given_score_stats_kernel");
+}
+
 void reduce_key_stats(const StatsParams &sp, float *mass, float *n_below, cudaStream_t stream) {
     const int64_t items = std::max<int64_t>(sp.a.n_tokens, sp.a.n_heads);
     reduce_key_stats_kernel<<<unsigned((items + 255) / 256), 256, 0, stream>>>(
@@ -382,8 +402,11 @@ void reduce_key_stats(const StatsParams &sp, float *mass, float *n_below, cudaSt
     CUDA_CHECK_LAUNCH("reduce_key_stats_kernel");
 }
 
-void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
-                     float scale, float threshold, float *mass, float *n_below, float *lse, void *stream) {
+namespace {
+
+// attention_stats and attention_mass: lse_in given, the score pass is skipped (threshold 0, no counts).
+void run_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
+               float threshold, float *mass, float *n_below, float *lse, const float *lse_in, void *stream) {
     cudaStream_t s = as_stream(stream);
     if (n_q <= 0) { // no query: zero mass and counts
         if (kv.n_tokens > 0) CUDA_CHECK(cudaMemsetAsync(mass, 0, size_t(kv.n_tokens) * sizeof(float), s));
@@ -392,16 +415,28 @@ void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const vo
     }
     const AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
     if (mma_stats_applies(kv.dtype, p.head_dim, q)) {
-        launch_mma_stats(p, kv.dtype, threshold, mass, n_below, lse, s);
+        launch_mma_stats(p, kv.dtype, threshold, mass, n_below, lse, lse_in, s);
         return;
     }
     dispatch_dtype(kv.dtype, [&](auto dtype) {
         using T = typename decltype(dtype)::type;
         dispatch_shape<T>(p.head_dim, p.group, [&](auto shape) {
             using Sh = decltype(shape);
-            launch_stats<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, threshold, mass, n_below, lse, s);
+            launch_stats<T, Sh::lanes, Sh::per_lane, Sh::group_tile>(p, threshold, mass, n_below, lse, lse_in, s);
         });
     });
+}
+
+} // namespace
+
+void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                     float scale, float threshold, float *mass, float *n_below, float *lse, void *stream) {
+    run_stats(kv, n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, nullptr, stream);
+}
+
+void attention_mass(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                    float scale, const float *lse, float *mass, void *stream) {
+    run_stats(kv, n_q, n_heads, q, q_pos, scale, 0.0f, mass, nullptr, nullptr, lse, stream);
 }
 
 } // namespace conduit::kernels::cuda

@@ -31,6 +31,8 @@ StatsParams prepare_stats(AttentionParams p, int32_t n_splits, int32_t n_mass_pa
                           cudaStream_t stream);
 // Launch 2: sp.a's partials -> sp.max2, sp.lse2 and lse (natural log; may be null).
 void merge_score_stats(const StatsParams &sp, float *lse, cudaStream_t stream);
+// Launch 2 of attention_mass: the given natural-log lse [n_q, n_heads] -> sp.lse2 (and sp.max2).
+void given_score_stats(const StatsParams &sp, const float *lse, cudaStream_t stream);
 // Launch 4: sp.partial_mass -> mass, sp.below -> n_below (may be null).
 void reduce_key_stats(const StatsParams &sp, float *mass, float *n_below, cudaStream_t stream);
 
@@ -38,8 +40,9 @@ void reduce_key_stats(const StatsParams &sp, float *mass, float *n_below, cudaSt
 // statistics. CONDUIT_STATS_MMA=0 in the environment turns it off (read once; for A/B measurements).
 bool mma_stats_applies(DType dtype, int32_t head_dim, const void *q);
 
-// Runs the four launches on tensor cores for p (from attention_params).
+// Runs the four launches on tensor cores for p (from attention_params); with lse_in (natural log,
+// [n_q, n_heads]) the first is skipped and the second is given_score_stats (attention_mass).
 void launch_mma_stats(const AttentionParams &p, DType dtype, float threshold, float *mass, float *n_below, float *lse,
-                      cudaStream_t stream);
+                      const float *lse_in, cudaStream_t stream);
 
 } // namespace conduit::kernels::cuda

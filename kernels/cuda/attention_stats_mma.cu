@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(KeyPassShape<kHeadDim>::kThreads) mma_key_stat
 
 template <typename T, int kHeadDim>
 void launch_typed(const AttentionParams &p, float threshold, float *mass, float *n_below, float *lse,
-                  cudaStream_t stream) {
+                  const float *lse_in, cudaStream_t stream) {
     using Score = MmaShape<kHeadDim>;
     using Key = KeyPassShape<kHeadDim>;
     const int64_t sms = sm_count();
@@ -330,7 +330,8 @@ void launch_typed(const AttentionParams &p, float threshold, float *mass, float 
     int64_t splits = (kScoreCtasPerSm * sms + row_tiles * p.n_kv_heads - 1) / (row_tiles * p.n_kv_heads);
     splits = std::max<int64_t>(std::min<int64_t>({splits, key_tiles, int64_t(kMaxScoreSplits)}), 1);
     const int64_t tiles_per_split = std::max<int64_t>((key_tiles + splits - 1) / splits, 1);
-    const int32_t n_splits = int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split); // 0 without keys
+    // 0 without keys, or with the lse given (no score pass)
+    const int32_t n_splits = lse_in ? 0 : int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split);
 
     // Pass 2: the head-major rows chunked (whole stages) only where the key blocks leave SMs idle.
     const int32_t padded_queries = (p.n_q + kRowTile - 1) / kRowTile * kRowTile;
@@ -353,7 +354,8 @@ void launch_typed(const AttentionParams &p, float threshold, float *mass, float 
             sp.a, int32_t(tiles_per_split));
         CUDA_CHECK_LAUNCH("mma_score_max_lse_kernel");
     }
-    merge_score_stats(sp, lse, stream);
+    if (lse_in) given_score_stats(sp, lse_in, stream);
+    else merge_score_stats(sp, lse, stream);
     if (key_ctas > 0) {
         allow_dynamic_smem<&mma_key_stats_kernel<T, kHeadDim>>(Key::kSmemBytes);
         const dim3 grid{unsigned(key_ctas / p.n_kv_heads), unsigned(p.n_kv_heads), unsigned(row_chunks)};
@@ -371,15 +373,15 @@ bool mma_stats_applies(DType dtype, int32_t head_dim, const void *q) {
 }
 
 void launch_mma_stats(const AttentionParams &p, DType dtype, float threshold, float *mass, float *n_below, float *lse,
-                      cudaStream_t stream) {
+                      const float *lse_in, cudaStream_t stream) {
     require(mma_stats_applies(dtype, p.head_dim, p.q), "shape not supported by the mma attention_stats");
     const bool bf16 = dtype == DType::BF16;
     if (p.head_dim == 64) {
-        if (bf16) launch_typed<__nv_bfloat16, 64>(p, threshold, mass, n_below, lse, stream);
-        else launch_typed<__half, 64>(p, threshold, mass, n_below, lse, stream);
+        if (bf16) launch_typed<__nv_bfloat16, 64>(p, threshold, mass, n_below, lse, lse_in, stream);
+        else launch_typed<__half, 64>(p, threshold, mass, n_below, lse, lse_in, stream);
     } else {
-        if (bf16) launch_typed<__nv_bfloat16, 128>(p, threshold, mass, n_below, lse, stream);
-        else launch_typed<__half, 128>(p, threshold, mass, n_below, lse, stream);
+        if (bf16) launch_typed<__nv_bfloat16, 128>(p, threshold, mass, n_below, lse, lse_in, stream);
+        else launch_typed<__half, 128>(p, threshold, mass, n_below, lse, lse_in, stream);
     }
 }
 

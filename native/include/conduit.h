@@ -294,6 +294,22 @@ CONDUIT_API conduit_status conduit_seq_attention_stats(conduit_seq *seq, int32_t
                                                        const void *q, const int32_t *q_pos, float scale, float threshold,
                                                        float *mass, float *n_below, float *lse, void *stream);
 
+/* CONDUIT's scoring pass over several layers in one call, each query row's log-sum-exp given: per
+ * chosen layer, the attention mass of n_q queries with the score pass that finds the normaliser
+ * skipped (the keys are read once). For row i of the table, layer l = layers[i]:
+ *   mass[i, s] = sum over q and h of exp(scale * q[i, q, h] . k_l(s) - lse[i, q, h])
+ * over the slots s visible to q (position <= q_pos[q]; GQA as conduit_seq_attention). With the lse
+ * that conduit_seq_attention returned for the same queries over the same KV (the text pass of a
+ * CONDUIT request), every row's probabilities sum to 1 and the table equals conduit_seq_attention_stats'
+ * mass to rounding. layers: host int32 [n_layers], every one holding the same number of tokens n; q:
+ * device [n_layers, n_q, n_heads, head_dim], arena dtype; q_pos: device int32 [n_q], shared by the
+ * layers; lse: device float32 [n_layers, n_q, n_heads], natural log; mass: device float32 [n_layers,
+ * n], overwritten. Errors (before anything is launched): INVALID_ARGUMENT. */
+CONDUIT_API conduit_status conduit_seq_attention_mass(conduit_seq *seq, int32_t n_layers, const int32_t *layers,
+                                                      int32_t n_q, int32_t n_heads, const void *q,
+                                                      const int32_t *q_pos, float scale, const float *lse, float *mass,
+                                                      void *stream);
+
 /* Copies one layer's K and V out, densely and in slot order: k_out, v_out: device
  * [n_tokens(layer), n_kv_heads, head_dim], arena dtype (either may be NULL). */
 CONDUIT_API conduit_status conduit_seq_read_kv(const conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream);

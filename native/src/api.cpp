@@ -292,6 +292,15 @@ conduit_status conduit_seq_attention_stats(conduit_seq *seq, int32_t layer, int3
     });
 }
 
+conduit_status conduit_seq_attention_mass(conduit_seq *seq, int32_t n_layers, const int32_t *layers, int32_t n_q,
+                                          int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
+                                          const float *lse, float *mass, void *stream) {
+    return guard([&] {
+        REQUIRE_HANDLE(seq);
+        seq_attention_mass(seq, n_layers, layers, n_q, n_heads, q, q_pos, scale, lse, mass, stream);
+    });
+}
+
 conduit_status conduit_seq_read_kv(const conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream) {
     return guard([&] {
         REQUIRE_HANDLE(seq);

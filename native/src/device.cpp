@@ -161,6 +161,11 @@ void Device::attention_stats(const kc::LayerView &kv, int32_t n_q, int32_t n_hea
     CONDUIT_DISPATCH(attention_stats(kv, n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, stream));
 }
 
+void Device::attention_mass(const kc::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
+                            const int32_t *q_pos, float scale, const float *lse, float *mass, void *stream) const {
+    CONDUIT_DISPATCH(attention_mass(kv, n_q, n_heads, q, q_pos, scale, lse, mass, stream));
+}
+
 void Device::write_last(const kc::BatchView &dst, const void *k, const void *v, const kc::Rope &rope,
                         const int32_t *rope_pos, void *stream) const {
     CONDUIT_DISPATCH(write_last(dst, k, v, rope, rope_pos, stream));

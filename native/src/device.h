@@ -50,6 +50,8 @@ class Device {
     void attention_stats(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
                          const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
                          void *stream) const;
+    void attention_mass(const kernels::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+                        float scale, const float *lse, float *mass, void *stream) const;
     void write_last(const kernels::BatchView &dst, const void *k, const void *v, const kernels::Rope &rope,
                     const int32_t *rope_pos, void *stream) const;
     void batch_attention(const kernels::BatchView &kv, int32_t n_heads, const void *q, float scale, void *out,

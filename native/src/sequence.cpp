@@ -408,6 +408,30 @@ void seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n
                                        n_below, lse, stream);
 }
 
+void seq_attention_mass(conduit_seq *seq, int32_t n_layers, const int32_t *layers, int32_t n_q, int32_t n_heads,
+                        const void *q, const int32_t *q_pos, float scale, const float *lse, float *mass, void *stream) {
+    const conduit_arena_params &params = seq->arena->params;
+    CONDUIT_REQUIRE(n_layers >= 0 && n_q >= 0, "n_layers = %d, n_q = %d", n_layers, n_q);
+    CONDUIT_REQUIRE(n_heads > 0 && n_heads % params.n_kv_heads == 0,
+                    "n_heads = %d is not a positive multiple of n_kv_heads = %d", n_heads, params.n_kv_heads);
+    if (n_layers == 0) return;
+    CONDUIT_REQUIRE(layers, "layers must not be NULL");
+    const int32_t n_tokens = layer_of(seq, layers[0]).n_tokens();
+    for (int32_t i = 1; i < n_layers; ++i) {  // one table of n_layers rows: every row as long
+        const int32_t n = layer_of(seq, layers[i]).n_tokens();
+        CONDUIT_REQUIRE(n == n_tokens, "layer %d holds %d tokens and layer %d holds %d: the mass table needs equal lengths",
+                        layers[i], n, layers[0], n_tokens);
+    }
+    CONDUIT_REQUIRE(mass || n_tokens == 0, "mass must not be NULL");
+    CONDUIT_REQUIRE(n_q == 0 || (q && q_pos && lse), "q, q_pos and lse must not be NULL");
+    const int64_t rows = int64_t(n_q) * n_heads;
+    const size_t q_bytes = size_t(rows) * size_t(params.head_dim) * conduit_dtype_size(params.dtype);
+    for (int32_t i = 0; i < n_layers; ++i)
+        seq->arena->device.attention_mass(seq->arena->view(layer_of(seq, layers[i]), stream), n_q, n_heads,
+                                          static_cast<const char *>(q) + size_t(i) * q_bytes, q_pos, scale,
+                                          lse + i * rows, mass + int64_t(i) * n_tokens, stream);
+}
+
 void seq_read_kv(conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream) {
     LayerTable &t = layer_of(seq, layer);
     if (t.n_tokens() == 0 || (!k_out && !v_out)) return;

@@ -29,6 +29,9 @@ void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads
 void seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q,
                          const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
                          void *stream);
+// Checks every layer before the first launch: an error leaves the mass table untouched.
+void seq_attention_mass(conduit_seq *seq, int32_t n_layers, const int32_t *layers, int32_t n_q, int32_t n_heads,
+                        const void *q, const int32_t *q_pos, float scale, const float *lse, float *mass, void *stream);
 void seq_read_kv(conduit_seq *seq, int32_t layer, void *k_out, void *v_out, void *stream);
 size_t seq_bytes(const conduit_seq *seq);
 

@@ -278,6 +278,18 @@ void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens,
                       std::memcmp(below_gpu.data(), below_again.data(), size_t(n_heads) * sizeof(float)) == 0 &&
                       std::memcmp(lse_gpu.data(), lse_again.data(), lse_gpu.size() * sizeof(float)) == 0;
     expect(same, std::string(name) + " not deterministic");
+    // attention_mass: the same mass in one pass over the keys, each row's lse given (the CPU's)
+    Buf<float> mass_given_cpu(size_t(n_tokens) + 1, NAN), mass_given_gpu(size_t(n_tokens) + 1, NAN);
+    kc::cpu::attention_mass(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, lse_cpu.data(),
+                            mass_given_cpu.data(), nullptr);
+    kc::cuda::attention_mass(l.view, n_q, n_heads, q_buf.data(), q_pos.data(), scale, lse_cpu.data(),
+                             mass_given_gpu.data(), nullptr);
+    device_sync();
+    int bad_given = 0;
+    for (int s = 0; s < n_tokens; ++s)
+        bad_given += !close(mass_given_cpu[size_t(s)], mass_cpu[size_t(s)], 1e-5f, 1e-4f) +
+                     !close(mass_given_gpu[size_t(s)], mass_cpu[size_t(s)], 1e-5f, 1e-4f);
+    expect(bad_given == 0, std::string(name) + " attention_mass mismatches=" + std::to_string(bad_given));
     if (threshold == 1.0f) {
         int64_t visible_pairs = 0, seeing = 0;
         for (int i = 0; i < n_q; ++i) {
