@@ -14,16 +14,22 @@ calls (``LABELLED``, wrapped in ``record_function`` for the run: cheap, so the h
 real speed), or with ``--stacks`` every Python frame (a slower host: the gaps grow several-fold, and
 the attribution is finer). The trace goes to ``--trace`` (chrome format, gzipped).
 
+With ``--cprofile N``, N more warm requests run under cProfile (no torch profiler): the host's
+Python functions by self time, per request, and the time the garbage collector took.
+
     python3 tools/profile_ttft.py [--out profile_ttft.json] [--ttft N] [--timeline [--stacks]] [--full]
-        [--trace t.json.gz]
+        [--trace t.json.gz] [--cprofile N]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import gc
 import gzip
 import json
 import os
+import pstats
 import tempfile
 import time
 from collections import defaultdict
@@ -48,6 +54,8 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="write the timeline run's chrome trace here (.json.gz)")
     parser.add_argument("--ttft", type=int, default=0, metavar="N",
                         help="first time N unprofiled warm requests of each kind, as conduit bench does (medians)")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="N warm conduit requests under cProfile: host functions by self time")
     args = parser.parse_args()
     device = torch.device("cuda")
     e2e = EndToEnd(E2ESizes(), Timer(device), torch.bfloat16)
@@ -82,6 +90,8 @@ def main() -> None:
             trace = args.trace.replace(".json", f".{label}.json") if args.trace else None
             summary[f"timeline_{label}"] = timeline(e2e, kwargs, args.min_gap_us, trace, args.stacks)
             print_timeline(label, summary[f"timeline_{label}"])
+    if args.cprofile:
+        summary["cprofile"] = host_functions(e2e, args.cprofile)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wall {wall * 1e3:.1f} ms, ttft {result.stats.ttft_s * 1e3:.1f} ms, device busy {device_us / 1e3:.1f} ms")
@@ -102,6 +112,41 @@ def ttft_medians(e2e: EndToEnd, repeats: int) -> dict:
     out["full_over_conduit"] = out["full"] / min(out["conduit"], out["conduit_again"])
     print("unprofiled TTFT (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return out
+
+
+def host_functions(e2e: EndToEnd, repeats: int, top: int = 40) -> dict:
+    """``repeats`` warm conduit requests under cProfile: the Python functions with the most self time
+    (ms per request) and the garbage collector's time per request."""
+    collected = [0.0, 0, 0.0]  # seconds, collections, start
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected[2] = time.perf_counter()
+        else:
+            collected[0] += time.perf_counter() - collected[2]
+            collected[1] += 1
+
+    profiler = cProfile.Profile()
+    gc.callbacks.append(on_gc)
+    try:
+        profiler.enable()
+        for _ in range(repeats):
+            e2e.request("second", e2e.second, refresh="conduit", refresh_budget=0.1, max_tokens=1)
+        torch.cuda.synchronize()
+        profiler.disable()
+    finally:
+        gc.callbacks.remove(on_gc)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, self s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    functions = [{"function": f"{os.path.basename(file)}:{line}:{name}", "calls": calls / repeats,
+                  "self_ms": self_s * 1e3 / repeats, "cumulative_ms": cum_s * 1e3 / repeats}
+                 for (file, line, name), (_, calls, self_s, cum_s, _) in rows]
+    print(f"cProfile, per request ({repeats}): gc {collected[0] * 1e3 / repeats:.2f} ms in "
+          f"{collected[1] / repeats:.1f} collections")
+    for r in functions:
+        print(f"{r['self_ms']:8.3f} ms self {r['cumulative_ms']:8.3f} ms cum {r['calls']:7.1f} x  {r['function']}")
+    return {"requests": repeats, "gc_ms": collected[0] * 1e3 / repeats, "gc_collections": collected[1] / repeats,
+            "functions": functions}
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
