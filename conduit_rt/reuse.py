@@ -30,6 +30,9 @@ from .models.base import ForwardBatch
 from .refresh import CacheBlend, RefreshOptions, RefreshPolicy, VisualTokens, budget_tokens, top_k_indices
 
 CHUNK = 2048
+# Most positions whose input embeddings are gathered while the scoring runs (see ReusePass._candidates):
+# at LLaVA-7B's hidden size 64 MiB of bf16; a longer prompt gathers its recompute rows after the selection.
+MAX_CANDIDATES = 8192
 
 
 @dataclass(slots=True)
@@ -236,6 +239,10 @@ class ReusePass:
         if policy.layerwise:
             return self._recompute_layerwise(tokens, budget, text_positions, capture), capture
         scores = _PassScores(self, capture, tokens, layers)
+        if policy.uses_scores:
+            scores.attention()  # queued first: the host prepares the recompute's inputs while it runs
+        text = np.asarray(text_positions, dtype=np.int64)
+        candidates = self._candidates(tokens, text)
         selected = policy.select(tokens, budget, scores, options)
         if scores.used:
             self.stats.prefill_flops += scores.flops
@@ -245,11 +252,16 @@ class ReusePass:
         # The device idles from the selection's host sync to the recompute's first launch: only what
         # the launch needs runs in between (numpy, not Python sets), the bookkeeping after it.
         picked = tokens.slots[selected].numpy()
-        text = np.asarray(text_positions, dtype=np.int64)
-        rows = np.union1d(picked, text[text > picked.min()]).tolist()
+        rows = np.union1d(picked, text[text > picked.min()])
+        if candidates is not None:
+            positions, embeds = candidates
+            embeds = embeds[torch.from_numpy(np.searchsorted(positions, rows)).to(embeds.device, non_blocking=True)]
+        else:
+            embeds = self.embed(rows.tolist())
+        rows = rows.tolist()
         capture.store = {}  # images to store keep the KV of the text pass: the request first computed them there
         capture.begin_chunk(rows)
-        out = self._pass(self.seq, self.embed(rows), self._batch(rows), capture)
+        out = self._pass(self.seq, embeds, self._batch(rows), capture)
         self.stats.recomputed_token_layers = len(rows) * config.n_layers
         self.stats.prefill_flops += config.n_layers * _flops(config, rows)
         return self.model.logits(out[-1:])[0], capture
@@ -291,6 +303,19 @@ class ReusePass:
         # non_blocking: a blocking copy from the host waits for every kernel queued before it
         return ForwardBatch(positions=torch.from_numpy(slots).to(device, non_blocking=True),
                             rope_positions=rope.to(device, non_blocking=True), slots=slots)
+
+    def _candidates(self, tokens: VisualTokens, text: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
+        """Every position a recompute may take (the restored visual tokens and the text after the first
+        of them; sorted) and their input embeddings, queued behind the scoring: the host builds them
+        while the device scores, and after the selection's host sync only one gather is left (the
+        ~1 ms of host work it replaces sat between the sync and the recompute's first launch, the
+        device idle). None past MAX_CANDIDATES positions: the recompute's rows are embedded after
+        the selection instead."""
+        visual = tokens.slots.numpy()
+        positions = np.union1d(visual, text[text > visual.min()])
+        if positions.size > MAX_CANDIDATES:
+            return None
+        return positions, self.embed(positions.tolist())
 
     def _visual_tokens(self) -> VisualTokens:
         slots, image = [], []

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conduit_rt import Runtime
+from conduit_rt import Runtime, reuse
 from conduit_rt.errors import RequestError
 from conduit_rt.refresh import POLICIES, Conduit, budget_tokens
 from convert.cli import main as convert_main
@@ -72,6 +72,18 @@ def test_refresh_everything_equals_a_cold_full_prefill(model_dir, warm, policy, 
     assert stats.refreshed_tokens == stats.visual_tokens == 3 * NUM_IMAGE_TOKENS
     expected = cold_logits(model_dir, messages, runtime.device.type)
     assert (logits - expected).abs().max() <= TOLERANCE[runtime.device.type] * expected.abs().max()
+
+
+def test_recompute_rows_embedded_after_the_selection_give_the_same_logits(warm, monkeypatch):
+    """Past MAX_CANDIDATES positions the recompute's rows are embedded after the selection instead of
+    gathered from the candidates embedded while the scoring ran: the same numbers."""
+    runtime, pics = warm
+    messages = request("Yet another prefix:", [pics[1], pics[0], pics[2]], "Which one?")
+    early, _ = first_logits(runtime, messages, refresh="conduit", refresh_budget=0.3)
+    monkeypatch.setattr(reuse, "MAX_CANDIDATES", 0)
+    late, stats = first_logits(runtime, messages, refresh="conduit", refresh_budget=0.3)
+    assert stats.refreshed_tokens == budget_tokens(0.3, stats.visual_tokens) > 0
+    assert torch.equal(early, late)
 
 
 def test_no_refresh_reuses_stale_kv_and_differs_from_full_prefill(model_dir, warm):

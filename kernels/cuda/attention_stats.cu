@@ -335,7 +335,8 @@ void launch_stats(const AttentionParams &p, float threshold, float *mass, float 
     q_chunks = (p.n_q + per_chunk - 1) / per_chunk;
 
     const int32_t n_splits = lse_in ? 0 : int32_t((key_tiles + tiles_per_split - 1) / tiles_per_split);
-    StatsParams sp = prepare_stats(p, n_splits, int32_t(q_chunks * head_blocks), threshold, stream); // 0 splits without keys
+    StatsParams sp = prepare_stats(p, n_splits, int32_t(q_chunks * head_blocks), threshold, n_below != nullptr,
+                                   stream); // 0 splits without keys
     sp.queries_per_chunk = per_chunk;
     if (sp.a.n_splits > 0) {
         const dim3 pass1{unsigned(sp.a.n_splits), unsigned(head_blocks), unsigned(score_chunks)};
@@ -358,7 +359,7 @@ size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 } // namespace
 
 StatsParams prepare_stats(AttentionParams p, int32_t n_splits, int32_t n_mass_partials, float threshold,
-                          cudaStream_t stream) {
+                          bool counts, cudaStream_t stream) {
     const size_t head_rows = size_t(p.n_q) * p.n_heads;
     const size_t partial_bytes = round_up(head_rows * size_t(n_splits) * sizeof(float));
     const size_t row_bytes = round_up(head_rows * sizeof(float));
@@ -379,7 +380,7 @@ StatsParams prepare_stats(AttentionParams p, int32_t n_splits, int32_t n_mass_pa
     sp.n_mass_partials = n_mass_partials;
     sp.partial_mass = reinterpret_cast<float *>(ws + 2 * partial_bytes + 2 * row_bytes);
     sp.below = reinterpret_cast<unsigned long long *>(ws + 2 * partial_bytes + 2 * row_bytes + mass_bytes);
-    CUDA_CHECK(cudaMemsetAsync(sp.below, 0, size_t(p.n_heads) * sizeof(unsigned long long), stream));
+    if (counts) CUDA_CHECK(cudaMemsetAsync(sp.below, 0, size_t(p.n_heads) * sizeof(unsigned long long), stream));
     return sp;
 }
 

@@ -26,9 +26,10 @@ struct StatsParams {
 };
 
 // Takes the stream workspace for n_splits first-pass splits and n_mass_partials partial mass rows and
-// returns the parameters pointing into it (below zeroed on the stream); p gets n_splits and its partials.
+// returns the parameters pointing into it (below zeroed on the stream when the counts are asked for:
+// otherwise nothing reads them); p gets n_splits and its partials.
 StatsParams prepare_stats(AttentionParams p, int32_t n_splits, int32_t n_mass_partials, float threshold,
-                          cudaStream_t stream);
+                          bool counts, cudaStream_t stream);
 // Launch 2: sp.a's partials -> sp.max2, sp.lse2 and lse (natural log; may be null).
 void merge_score_stats(const StatsParams &sp, float *lse, cudaStream_t stream);
 // Launch 2 of attention_mass: the given natural-log lse [n_q, n_heads] -> sp.lse2 (and sp.max2).

@@ -344,7 +344,7 @@ void launch_typed(const AttentionParams &p, float threshold, float *mass, float 
     const int64_t stages_per_chunk = (n_stages + row_chunks - 1) / row_chunks;
     row_chunks = (n_stages + stages_per_chunk - 1) / stages_per_chunk;
 
-    StatsParams sp = prepare_stats(p, n_splits, int32_t(row_chunks * p.n_kv_heads), threshold, stream);
+    StatsParams sp = prepare_stats(p, n_splits, int32_t(row_chunks * p.n_kv_heads), threshold, n_below != nullptr, stream);
     sp.padded_queries = padded_queries;
     sp.rows_per_chunk = int32_t(stages_per_chunk * Key::kStageRows);
     if (n_splits > 0) {
