@@ -137,7 +137,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, n_heads, head_dim, n_freq,
+def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, head_dim, n_freq,
                    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     f = tl.arange(0, BLOCK_F)
@@ -148,9 +148,8 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, n_heads, head
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = (h < n_heads) & f_mask[None, :]
     base = token * n_heads * head_dim + h * head_dim
-    x_base = token * x_row_stride + h * head_dim
-    x1 = tl.load(x_ptr + x_base + f[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_base + n_freq + f[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + f[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + base + n_freq + f[None, :], mask=mask, other=0.0).to(tl.float32)
     # x cos + rotate_half(x) sin, each product rounded to the dtype, then the sum (no fused multiply-add:
     # the kernel is compiled with enable_fp_fusion=False)
     dtype = out_ptr.dtype.element_ty
@@ -161,22 +160,18 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, n_heads, head
     if BLOCK_R > 0:  # elements past the rotary part pass through
         r = 2 * n_freq + tl.arange(0, BLOCK_R)[None, :]
         r_mask = (h < n_heads) & (r < head_dim)
-        tl.store(out_ptr + base + r, tl.load(x_ptr + x_base + r, mask=r_mask, other=0.0), mask=r_mask)
+        tl.store(out_ptr + base + r, tl.load(x_ptr + base + r, mask=r_mask, other=0.0), mask=r_mask)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, head_dim] rotated with cos, sin [n, n_freq] (x's dtype, contiguous) into a new
-    contiguous tensor. x's rows may be strided (the query columns of a stacked q/k/v product), its
-    heads and elements dense."""
+    """x [n, heads, head_dim] rotated with cos, sin [n, n_freq] (x's dtype, contiguous)."""
     n, heads, head_dim = x.shape
     n_freq = cos.shape[-1]
-    if x.stride(2) != 1 or x.stride(1) != head_dim:
-        x = x.contiguous()
-    out = torch.empty(n, heads, head_dim, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
     if n:
         rest = head_dim - 2 * n_freq
         block_h, block_f = triton.next_power_of_2(heads), triton.next_power_of_2(n_freq)
-        _rotate_kernel[(n,)](x, cos, sin, out, x.stride(0), heads, head_dim, n_freq, BLOCK_H=block_h, BLOCK_F=block_f,
+        _rotate_kernel[(n,)](x, cos, sin, out, heads, head_dim, n_freq, BLOCK_H=block_h, BLOCK_F=block_f,
                              BLOCK_R=triton.next_power_of_2(rest) if rest > 0 else 0,
                              num_warps=_warps(block_h * block_f), enable_fp_fusion=False, **_pdl_options(x))
     return out

@@ -162,13 +162,6 @@ class LlamaAttention(StackedProjections):
         if n == 1 and self.stack_current():  # a decode step: one GEMV over the stack, q rotated in it
             q, kv = fused.linear_rotate_q(h, self.qkv_weight, self.qkv_bias, self.n_heads, self.head_dim, *tables)
             k, v = kv.split(self.qkv_rows[1:], dim=-1)
-        elif self.stack_current():
-            # One product over the stack, not three: at a text pass's ~100 rows each is bound by reading
-            # its weights, and the three 32 MiB ones of LLaVA-7B read at ~2.3 TB/s against ~3.5 for
-            # one of three times the size; q is rotated from its columns, k and v copied out of theirs
-            q, k, v = fused.linear(h, self.qkv_weight, self.qkv_bias).split(self.qkv_rows, dim=-1)
-            q = fused.rotate(q.view(n, self.n_heads, self.head_dim), *tables).contiguous()
-            k, v = k.contiguous(), v.contiguous()
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
             q = fused.rotate(q.view(n, self.n_heads, self.head_dim), *tables).contiguous()
