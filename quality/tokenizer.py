@@ -11,6 +11,10 @@ pieces as splitting on spaces.
 
 The chat template is LLaVA-1.5's conversation format: "USER: <image>\\n... ASSISTANT: ...</s>",
 each image part rendered where it appears in the message.
+
+The Llama layout and pipeline (``llama_vocab``, ``llama_tokenizer``) and the files
+(``write_tokenizer_files``) serve any BPE trained this way: the tests' tiny tokenizer
+(``tests/fixtures/tiny_tokenizer.py``) is built with them from its own corpus.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def _train_merges() -> Tokenizer:
     return trainer_tokenizer
 
 
-def _llama_vocab(trained: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def llama_vocab(trained: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Llama's id layout: specials 0..2, byte tokens 3..258, then learned pieces in training order."""
     vocab = {UNK: 0, BOS: 1, EOS: 2}
     for byte in range(NUM_BYTE_TOKENS):
@@ -88,7 +92,13 @@ def _llama_vocab(trained: Tokenizer) -> tuple[dict[str, int], list[tuple[str, st
 
 def build_tokenizer() -> Tokenizer:
     """The task tokenizer as a ``tokenizers.Tokenizer`` (``<image>`` and ``<pad>`` are the last ids)."""
-    vocab, merges = _llama_vocab(_train_merges())
+    return llama_tokenizer(*llama_vocab(_train_merges()))
+
+
+def llama_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:
+    """A ``LlamaTokenizerFast``-style tokenizer over ``vocab`` and ``merges`` (``llama_vocab``'s):
+    BPE with byte fallback, Metaspace "first" without splitting, BOS prepended; ``<image>`` and
+    ``<pad>`` added after the vocabulary."""
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=UNK, fuse_unk=True, byte_fallback=True))
     tokenizer.normalizer = None
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
