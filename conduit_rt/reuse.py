@@ -87,7 +87,8 @@ class PassCapture:
 
     def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
         if self._rows.rows:
-            self.q.setdefault(layer, []).append((self._observed, self._observed_q(q)))
+            # copied: q may be a buffer the next layer overwrites
+            self.q.setdefault(layer, []).append((self._observed, self._observed_rows(q, copy=True)))
         lo, hi = self._positions[0], self._positions[-1] + 1
         for key, (a, b) in self.store.items():
             rows = [i for i, p in enumerate(self._positions) if a <= p < b] if a < hi and b > lo else []
@@ -100,11 +101,6 @@ class PassCapture:
     def on_attention(self, layer: int, lse: torch.Tensor) -> None:
         if self._rows.rows:
             self.lse.setdefault(layer, []).append(self._observed_rows(lse, copy=False))
-
-    def _observed_q(self, q: torch.Tensor) -> torch.Tensor:
-        """The chunk's observed rows of q, in a tensor of their own (q may be a buffer the next
-        layer overwrites)."""
-        return self._observed_rows(q, copy=True)
 
     def _observed_rows(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
         """The chunk's observed rows of t: a slice (copied if ``copy``) when consecutive, else a gather."""
@@ -119,7 +115,8 @@ class PassCapture:
         q, found = self._rows_of(self.q.get(layer, []), positions)
         return (q.contiguous(), found) if found else (torch.zeros(0), [])
 
-    def scoring_rows(self, layers: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def scoring_rows(self, layers: list[int], positions: list[int]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
         """q and the attention's lse of those ``positions`` that were computed, every layer of ``layers``
         stacked: ([n_layers, n, n_heads, head_dim], float32 [n_layers, n, n_heads], positions); the
         positions must be the same in every layer (a pass computes all of them). Tensors are None when
@@ -239,10 +236,11 @@ class ReusePass:
         if policy.layerwise:
             return self._recompute_layerwise(tokens, budget, text_positions, capture), capture
         scores = _PassScores(self, capture, tokens, layers)
-        if policy.uses_scores:
-            scores.attention()  # queued first: the host prepares the recompute's inputs while it runs
         text = np.asarray(text_positions, dtype=np.int64)
-        candidates = self._candidates(tokens, text)
+        candidates = None
+        if policy.uses_scores and budget > 0:  # the host prepares the recompute's inputs while the scoring runs
+            scores.attention()
+            candidates = self._candidates(tokens, text)
         selected = policy.select(tokens, budget, scores, options)
         if scores.used:
             self.stats.prefill_flops += scores.flops
@@ -306,7 +304,8 @@ class ReusePass:
 
     def _candidates(self, tokens: VisualTokens, text: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
         """Every position a recompute may take (the restored visual tokens and the text after the first
-        of them; sorted) and their input embeddings, queued behind the scoring: the host builds them
+        of them; sorted) and their input embeddings, queued behind the scoring (call it after queueing
+        the scoring, for a selection that will pick something): the host builds them
         while the device scores, and after the selection's host sync only one gather is left (the
         ~1 ms of host work it replaces sat between the sync and the recompute's first launch, the
         device idle). None past MAX_CANDIDATES positions: the recompute's rows are embedded after
