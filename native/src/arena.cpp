@@ -137,6 +137,11 @@ kernels::LayerView conduit_arena::view(LayerTable &table, void *stream) {
 
 void conduit_arena::reserve_upload(size_t n_ints) { scratch.get(device, (n_ints * sizeof(int32_t) + 255) / 256 * 256); }
 
+void conduit_arena::require_query_heads(int32_t n_heads) const {
+    CONDUIT_REQUIRE(n_heads > 0 && n_heads % params.n_kv_heads == 0,
+                    "n_heads = %d is not a positive multiple of n_kv_heads = %d", n_heads, params.n_kv_heads);
+}
+
 kernels::Rope conduit_arena::rope_for(const int32_t *rope_pos) const {
     if (!rope_pos) return kernels::Rope{};
     CONDUIT_REQUIRE(rope.type != CONDUIT_ROPE_NONE,

@@ -116,6 +116,9 @@ struct conduit_arena {
     // The RoPE a kernel applies for these positions: none for null, else the arena's (which must be
     // set: throws INVALID_ARGUMENT otherwise).
     conduit::kernels::Rope rope_for(const int32_t *rope_pos) const;
+    // Throws INVALID_ARGUMENT unless n_heads query heads can share the arena's KV heads (a positive
+    // multiple of n_kv_heads: GQA).
+    void require_query_heads(int32_t n_heads) const;
     // Uploads host int32 lists into one scratch allocation; returns their device addresses in order
     // (null for a null list). Valid until the next call that uses the scratch.
     std::vector<const int32_t *> upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,

@@ -384,10 +384,8 @@ void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
 void seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                    float scale, void *out, float *lse, void *stream) {
     LayerTable &t = layer_of(seq, layer);
-    const int32_t hk = seq->arena->params.n_kv_heads;
     CONDUIT_REQUIRE(n_q >= 0, "n_q = %d", n_q);
-    CONDUIT_REQUIRE(n_heads > 0 && n_heads % hk == 0, "n_heads = %d is not a positive multiple of n_kv_heads = %d",
-                    n_heads, hk);
+    seq->arena->require_query_heads(n_heads);
     if (n_q == 0) return;
     CONDUIT_REQUIRE(q && q_pos && out, "q, q_pos and out must not be NULL");
     seq->arena->device.attention(seq->arena->view(t, stream), n_q, n_heads, q, q_pos, scale, out, lse, stream);
@@ -397,10 +395,8 @@ void seq_attention_stats(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n
                          const int32_t *q_pos, float scale, float threshold, float *mass, float *n_below, float *lse,
                          void *stream) {
     LayerTable &t = layer_of(seq, layer);
-    const int32_t hk = seq->arena->params.n_kv_heads;
     CONDUIT_REQUIRE(n_q >= 0, "n_q = %d", n_q);
-    CONDUIT_REQUIRE(n_heads > 0 && n_heads % hk == 0, "n_heads = %d is not a positive multiple of n_kv_heads = %d",
-                    n_heads, hk);
+    seq->arena->require_query_heads(n_heads);
     CONDUIT_REQUIRE(threshold >= 0.0f && threshold <= 1.0f, "threshold = %g outside [0, 1]", double(threshold));
     CONDUIT_REQUIRE(mass || t.n_tokens() == 0, "mass must not be NULL");
     CONDUIT_REQUIRE(n_q == 0 || (q && q_pos), "q and q_pos must not be NULL");
@@ -412,8 +408,7 @@ void seq_attention_mass(conduit_seq *seq, int32_t n_layers, const int32_t *layer
                         const void *q, const int32_t *q_pos, float scale, const float *lse, float *mass, void *stream) {
     const conduit_arena_params &params = seq->arena->params;
     CONDUIT_REQUIRE(n_layers >= 0 && n_q >= 0, "n_layers = %d, n_q = %d", n_layers, n_q);
-    CONDUIT_REQUIRE(n_heads > 0 && n_heads % params.n_kv_heads == 0,
-                    "n_heads = %d is not a positive multiple of n_kv_heads = %d", n_heads, params.n_kv_heads);
+    seq->arena->require_query_heads(n_heads);
     if (n_layers == 0) return;
     CONDUIT_REQUIRE(layers, "layers must not be NULL");
     const int32_t n_tokens = layer_of(seq, layers[0]).n_tokens();

@@ -59,8 +59,7 @@ conduit_step *step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_to
     const conduit_arena_params &p = arena->params;
     CONDUIT_REQUIRE(max_seqs >= 1 && max_seqs <= 4096, "max_seqs = %d out of range [1, 4096]", max_seqs);
     CONDUIT_REQUIRE(max_tokens >= 1, "max_tokens = %d must be >= 1", max_tokens);
-    CONDUIT_REQUIRE(n_heads > 0 && n_heads % p.n_kv_heads == 0,
-                    "n_heads = %d is not a positive multiple of n_kv_heads = %d", n_heads, p.n_kv_heads);
+    arena->require_query_heads(n_heads);
     auto step = std::make_unique<conduit_step>();
     step->arena = arena;
     step->max_seqs = max_seqs;
