@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from .errors import (  # noqa: F401
     ArenaFullError,
     ConduitError,
@@ -15,6 +17,10 @@ from .errors import (  # noqa: F401
 )
 
 __version__ = "0.1.0"
+
+# The small LLaVA trained on the quality task (evaluation/task/), shipped as a Hugging Face folder:
+# ``Runtime(BUNDLED_MODEL)`` converts it to GGUF once and caches it.
+BUNDLED_MODEL = Path(__file__).resolve().parent / "data" / "quality_model"
 
 
 def __getattr__(name: str):

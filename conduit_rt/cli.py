@@ -11,7 +11,7 @@ from .errors import ConduitError
 
 
 def _cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
-    from convert.cli import main as convert_main
+    from conduit_rt.convert.cli import main as convert_main
 
     return convert_main(rest)
 

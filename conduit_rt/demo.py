@@ -1,7 +1,7 @@
 """`conduit demo`: the bundled model reads rendered pages, then reads them again under a changed prefix.
 
 The bundled default is the small LLaVA-architecture model trained on the quality task
-(``quality/``): pages of coloured codes, each page named by a tag written before it, questions like
+(``evaluation/task/``): pages of coloured codes, each page named by a tag written before it, questions like
 "elk purple?". The demo converts the model to GGUF once (cached), then for a few test requests:
   1. shows the pages in an earlier session, under other tags and in another order (cache misses:
      the image KV is computed and stored);
@@ -13,65 +13,25 @@ Runs on the GPU when there is one, else on the CPU.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 from pathlib import Path
 
-import torch
-
-BUNDLED_MODEL = Path(__file__).resolve().parent / "data" / "quality_model"
-
-
-def cache_dir() -> Path:
-    root = Path(os.environ.get("CONDUIT_CACHE", Path.home() / ".cache" / "conduit-rt"))
-    return root / "demo"
-
-
-def converted_model(hf_dir: Path) -> Path:
-    """GGUF files of the bundled model, converted on first use and cached by content."""
-    from convert.cli import main as convert_main
-
-    digest = hashlib.sha256()
-    for name in sorted(p.name for p in hf_dir.iterdir()):
-        digest.update(name.encode())
-        digest.update((hf_dir / name).read_bytes())
-    out = cache_dir() / digest.hexdigest()[:16]
-    if not (out / "model.gguf").is_file():
-        print(f"converting the bundled model to GGUF in {out} ...", flush=True)
-        if convert_main([str(hf_dir), "--outdir", str(out), "--dtype", "bf16"]) != 0:
-            raise SystemExit("conduit demo: converting the bundled model failed")
-    return out / "model.gguf"
-
-
-def load_runtime(model_dir: Path, device: str):
-    """The Runtime of the trained quality model; without one, a tiny random-weight LLaVA (the cache
-    mechanics are the same, the answers are noise) with a notice saying so."""
-    from .runtime import Runtime, resolve_device
-
-    if (model_dir / "config.json").is_file():
-        return Runtime(converted_model(model_dir), device=device, prefix_cache_entries=0)
-    from .bench.synthetic import llava_configs
-    from .models.random_init import random_llava
-
-    print(f"NOTE: no trained model at {model_dir} (issue 8 has not shipped one yet): this run uses a tiny\n"
-          "LLaVA with random weights. Its answers are noise; cache hits, refreshed tokens and TTFT are real.\n")
-    target = resolve_device(device)
-    model = random_llava(*llava_configs("tiny"), target, torch.bfloat16 if target.type == "cuda" else torch.float32)
-    return Runtime.from_model(model, kv_cache_bytes=64 << 20, prefix_cache_entries=0)
+from . import BUNDLED_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conduit demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="a Hugging Face folder of a quality model")
+    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="a quality-task model: a Hugging Face folder (converted to GGUF once, cached) or GGUF files")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--budget", type=float, default=0.1, help="CONDUIT refresh budget")
     args = parser.parse_args(argv)
 
-    from quality.data import build_pool
-    from quality.generator import retagged_request
+    from conduit_rt.evaluation.task.data import build_pool
+    from conduit_rt.evaluation.task.generator import retagged_request
 
-    runtime = load_runtime(args.model, args.device)
+    from .runtime import Runtime
+
+    runtime = Runtime(args.model, device=args.device, prefix_cache_entries=0)  # a checkpoint folder: converted once
     print(f"model on {runtime.device} ({runtime.dtype}); {runtime.model.config.tokens_per_image} tokens per page\n")
     pool = build_pool(seed=0, split="test", size=64)
     requests = pool.requests(args.requests, min_pages=3, max_pages=6)

@@ -11,13 +11,13 @@ site-packages, outside the source tree); ``build/*/`` of a source checkout.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import sys
 from pathlib import Path
 
 import cffi
 
+from .config import env
 from .errors import NATIVE_ERRORS, InternalError, LibraryNotFoundError, NativeError
 
 LIB_NAMES = ("libconduit.so", "libconduit.dylib", "conduit.dll")
@@ -37,8 +37,9 @@ def header_declarations(text: str) -> str:
 
 def _candidate_libraries() -> list[Path]:
     found: list[Path] = []
-    if env := os.environ.get("CONDUIT_LIB"):
-        return [Path(env)]
+    library = env().library
+    if library is not None:
+        return [library]
     dirs = [PACKAGE_DIR] + [Path(p) / "conduit_rt" for p in sys.path if p]
     for directory in dirs:
         found += [directory / name for name in LIB_NAMES]

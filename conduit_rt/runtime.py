@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import native
+from .convert.cache import model_files
 from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
 from .decode_graph import GraphedDecoder
 from .prefill_graph import PrefillGraphs
@@ -123,7 +124,8 @@ class Runtime:
     """A converted model, ready to chat.
 
     Args:
-        model_path: the text model GGUF (``model.gguf``).
+        model_path: the text model GGUF (``model.gguf``), a folder holding it, or a Hugging Face
+            checkpoint folder (converted to GGUF on first use and cached: ``convert.cache``).
         mmproj: the vision GGUF (``mmproj.gguf``); default: ``mmproj.gguf`` beside the model if present.
         device: "auto" (CUDA when available), "cpu" or "cuda[:N]".
         dtype: weights and KV dtype; default bfloat16 on CUDA, float32 on CPU.
@@ -147,9 +149,7 @@ class Runtime:
 
         self.device = resolve_device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        model_path = Path(model_path)
-        if mmproj is None and (model_path.parent / "mmproj.gguf").is_file():
-            mmproj = model_path.parent / "mmproj.gguf"
+        model_path, mmproj = model_files(model_path, mmproj)
         self._attach(load_model(model_path, mmproj, self.device, self.dtype), kv_cache_bytes, image_cache_bytes,
                      prefix_cache_entries, cuda_graphs)
         logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,

@@ -11,7 +11,7 @@ from PIL import Image
 from conduit_rt import Runtime, reuse
 from conduit_rt.errors import RequestError
 from conduit_rt.refresh import POLICIES, Conduit, budget_tokens
-from convert.cli import main as convert_main
+from conduit_rt.convert.cli import main as convert_main
 from tests.fixtures.tiny_llava import NUM_IMAGE_TOKENS, build_tiny_llava
 
 

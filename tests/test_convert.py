@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.model_file import load_model_dir
-from convert import OutputDtype, convert_checkpoint
-from convert.cli import main as convert_main
+from conduit_rt.convert import OutputDtype, convert_checkpoint
+from conduit_rt.convert.cli import main as convert_main
 from tests.fixtures.tiny_llava import NUM_IMAGE_TOKENS, build_tiny_llava
 from tests.fixtures.tiny_tokenizer import CHAT_TEMPLATE
 

@@ -1,5 +1,5 @@
 """``conduit eval`` on a tiny random task model (CPU, fp32): the command's outputs, the replay's stale
-KV against the transformers reference of ``quality.stale_kv``, the measures against torch.
+KV against the transformers reference of ``conduit_rt.evaluation.task.stale_kv``, the measures against torch.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from conduit_rt.evaluation.sessions import (
     request_messages,
     seen_before,
 )
-from convert.cli import main as convert_main
+from conduit_rt.convert.cli import main as convert_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,8 +37,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def task_model(tmp_path_factory):
     """The tiny task model with perturbed weights (logits far from uniform): (HF folder, GGUF folder)."""
-    from quality.model_config import MODEL_SIZES, new_model, write_model_folder
-    from quality.tokenizer import build_tokenizer
+    from conduit_rt.evaluation.task.model_config import MODEL_SIZES, new_model, write_model_folder
+    from conduit_rt.evaluation.task.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=SEED)
@@ -54,7 +54,7 @@ def task_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool():
-    from quality.data import build_pool
+    from conduit_rt.evaluation.task.data import build_pool
 
     return build_pool(SEED, "test", 40)
 
@@ -92,9 +92,9 @@ def test_eval_command_writes_the_table_and_full_refresh_matches_the_reference(ta
 def test_replayed_stale_kv_equals_the_transformers_reference(task_model, pool):
     """`none` after a retagged session = quality.stale_kv's retagged source (plain transformers), and at
     budget 0 every refresh policy is `none`."""
-    from quality.data import PromptEncoder
-    from quality.stale_kv import prefill_with_page_kv, source_page_kv
-    from quality.tokenizer import build_tokenizer
+    from conduit_rt.evaluation.task.data import PromptEncoder
+    from conduit_rt.evaluation.task.stale_kv import prefill_with_page_kv, source_page_kv
+    from conduit_rt.evaluation.task.tokenizer import build_tokenizer
 
     hf_dir, gguf_dir = task_model
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()

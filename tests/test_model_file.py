@@ -13,7 +13,7 @@ from gguf.quants import quantize
 
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.model_file import load_mmproj_file, load_model_dir, load_text_model_file
-from convert import convert_checkpoint
+from conduit_rt.convert import convert_checkpoint
 from tests.fixtures.tiny_llava import CLIP_MEAN, CLIP_STD, IMAGE_SIZE, NUM_IMAGE_TOKENS, PATCH_SIZE, build_tiny_llava
 from tests.fixtures.tiny_tokenizer import CHAT_TEMPLATE
 

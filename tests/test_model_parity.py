@@ -1,6 +1,6 @@
 """LLaVA-1.5 model code against Hugging Face transformers, on a tiny random checkpoint.
 
-The checkpoint is built with ``build_tiny_llava``, converted to f32 GGUF with ``convert.cli.main``
+The checkpoint is built with ``build_tiny_llava``, converted to f32 GGUF with ``conduit_rt.convert.cli.main``
 and loaded with ``conduit_rt.models.load_model``; the reference is
 ``LlavaForConditionalGeneration.from_pretrained`` on the source folder (fp32, eager attention).
 Prompt ids and pixel values come from HF's ``LlavaProcessor``, so both sides see identical inputs.
@@ -30,11 +30,11 @@ IMAGE_SIZES = [(41, 57), (30, 30), (64, 33)]  # (height, width) before preproces
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(source folder, converted folder) of the tiny model."""
-    import convert.cli
+    import conduit_rt.convert.cli
 
     source = build_tiny_llava(tmp_path_factory.mktemp("tiny_llava"))
     converted = tmp_path_factory.mktemp("tiny_llava_gguf")
-    assert convert.cli.main([str(source), "--outdir", str(converted), "--dtype", "f32", "--quiet"]) == 0
+    assert conduit_rt.convert.cli.main([str(source), "--outdir", str(converted), "--dtype", "f32", "--quiet"]) == 0
     return source, converted
 
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from quality import data, generator
-from quality.font import GLYPH_CHARS, GLYPH_HEIGHT, GLYPH_WIDTH, glyph_mask
-from quality.generator import CELL_SIZE, COLOURS, GRID_SIZE, page_for
-from quality.model_config import MODEL_SIZES, NUM_IMAGE_TOKENS, new_model, write_model_folder
-from quality.tokenizer import build_tokenizer, task_words
+from conduit_rt.evaluation.task import data, generator
+from conduit_rt.evaluation.task.font import GLYPH_CHARS, GLYPH_HEIGHT, GLYPH_WIDTH, glyph_mask
+from conduit_rt.evaluation.task.generator import CELL_SIZE, COLOURS, GRID_SIZE, page_for
+from conduit_rt.evaluation.task.model_config import MODEL_SIZES, NUM_IMAGE_TOKENS, new_model, write_model_folder
+from conduit_rt.evaluation.task.tokenizer import build_tokenizer, task_words
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,7 +105,7 @@ def test_rendered_page_shows_every_code_in_its_colour(pools, tmp_path):
 
 
 def test_reading_labels_match_the_pixels(pools):
-    from quality.reading_loss import COLOUR_CLASSES, cell_labels
+    from conduit_rt.evaluation.task.reading_loss import COLOUR_CLASSES, cell_labels
 
     pool = pools["val"]
     labels = cell_labels(pool.pages)
@@ -207,7 +207,7 @@ def test_first_question_trains_in_the_evaluation_format(tokenizer, pools):
 
 
 def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools):
-    from quality.train import answer_loss
+    from conduit_rt.evaluation.task.train import answer_loss
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
@@ -227,8 +227,8 @@ def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools)
 
 
 def test_context_probe_loss_reads_the_probed_layer(tokenizer, pools):
-    from quality.context_probe import ContextProbe
-    from quality.train import answer_loss, training_losses
+    from conduit_rt.evaluation.task.context_probe import ContextProbe
+    from conduit_rt.evaluation.task.train import answer_loss, training_losses
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
@@ -262,7 +262,7 @@ def _eager_forward(tokenizer, pool, batch):
 def test_attention_hint_targets_each_answer_cell_and_matches_the_layers_attention(tokenizer, pools):
     """Each answer character's target is the cell it is read from; the loss equals -log of head 0's
     attention there as transformers' eager attention reports it."""
-    from quality.attention_hint import attention_hint_loss
+    from conduit_rt.evaluation.task.attention_hint import attention_hint_loss
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
@@ -288,7 +288,7 @@ def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(to
     """The question's last tokens target every cell of the turn's asked field(s) (3 per ask, the
     answer's characters in order); the loss equals the mean over those queries of -mean log of the
     field head's attention on them, as transformers' eager attention reports it."""
-    from quality.attention_hint import field_hint_head, field_hint_loss
+    from conduit_rt.evaluation.task.attention_hint import field_hint_head, field_hint_loss
 
     encoder = data.PromptEncoder(tokenizer)
     pool = pools["train"]
@@ -323,7 +323,7 @@ def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(to
 
 
 def test_tiny_training_run_saves_a_loadable_folder(tmp_path):
-    from quality.train import main
+    from conduit_rt.evaluation.task.train import main
 
     main(["--out", str(tmp_path), "--tiny", "--stale-requests", "0"])
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -342,7 +342,7 @@ def full_last_logits(model, encoder, request, pool):
 
 @torch.no_grad()
 def test_stale_kv_from_the_request_itself_equals_full_prefill(tiny_folder, tokenizer, pools):
-    from quality import stale_kv
+    from conduit_rt.evaluation.task import stale_kv
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_folder).eval()
     encoder = data.PromptEncoder(tokenizer)
@@ -362,7 +362,7 @@ def test_stale_kv_from_the_request_itself_equals_full_prefill(tiny_folder, token
 @torch.no_grad()
 def test_stale_page_kv_differs_only_beyond_the_first_layer(tiny_folder, tokenizer, pools):
     """Layer 0's K and V of an image token depend on the token alone; deeper ones on its context."""
-    from quality import stale_kv
+    from conduit_rt.evaluation.task import stale_kv
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_folder).eval()
     encoder = data.PromptEncoder(tokenizer)
@@ -377,7 +377,7 @@ def test_stale_page_kv_differs_only_beyond_the_first_layer(tiny_folder, tokenize
 
 
 def test_stale_kv_report_runs(tiny_folder, tokenizer, pools):
-    from quality.stale_kv import stale_kv_report
+    from conduit_rt.evaluation.task.stale_kv import stale_kv_report
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(tiny_folder).eval()
     requests = pools["test"].requests(3)

@@ -30,8 +30,8 @@ from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.model_file import load_model_dir
 from conduit_rt.models import ForwardBatch, load_model
 from conduit_rt.preprocess import QwenVLPreprocessParams
-from convert.checkpoint import convert_checkpoint
-from convert.cli import main as convert_main
+from conduit_rt.convert.checkpoint import convert_checkpoint
+from conduit_rt.convert.cli import main as convert_main
 from tests.fixtures.tiny_qwen2vl import IMAGE_TOKEN, MROPE_SECTION, build_tiny_qwen2vl
 
 RTOL = 1e-4  # of max |reference logits|

@@ -10,7 +10,7 @@ from PIL import Image
 
 from conduit_rt import Runtime
 from conduit_rt.errors import RequestError
-from convert.cli import main as convert_main
+from conduit_rt.convert.cli import main as convert_main
 from tests.fixtures.tiny_llava import build_tiny_llava
 
 N_NEW = 16

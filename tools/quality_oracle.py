@@ -19,9 +19,9 @@ from conduit_rt import Runtime
 from conduit_rt import refresh
 from conduit_rt.demo import BUNDLED_MODEL, converted_model
 from conduit_rt.evaluation.sessions import request_messages, seen_before
-from quality.data import build_pool
-from quality.generator import GRID_SIZE, Request
-from quality.model_config import NUM_IMAGE_TOKENS
+from conduit_rt.evaluation.task.data import build_pool
+from conduit_rt.evaluation.task.generator import GRID_SIZE, Request
+from conduit_rt.evaluation.task.model_config import NUM_IMAGE_TOKENS
 
 SETS = ("asked_field", "asked_colour_all_pages", "asked_pages", "nothing")
 

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n", type=int, default=None, help="test requests (default: 24 on CPU, 500 on CUDA)")
     parser.add_argument("--start", type=int, default=0, help="index of the first test request")
     parser.add_argument("--seed", type=int, default=0, help="the task seed (the model was trained with it)")
-    parser.add_argument("--pool-pages", type=int, default=4000, help="test pages to draw from (quality.train's "
+    parser.add_argument("--pool-pages", type=int, default=4000, help="test pages to draw from (task.train's "
                         "--eval-pages: the same seed and size give the same test requests as its metrics)")
     parser.add_argument("--min-pages", type=int, default=1)
     parser.add_argument("--max-pages", type=int, default=8)
@@ -87,14 +87,14 @@ def resolve_model(path: Path, workdir: Path) -> Path:
     if (path / "model.gguf").is_file():
         return path / "model.gguf"
     if (path / "config.json").is_file():
-        from convert.cli import main as convert_main
+        from conduit_rt.convert.cli import main as convert_main
 
         outdir = workdir / "gguf"
         if convert_main([str(path), "--outdir", str(outdir), "--dtype", "f32", "--quiet"]) != 0:
             raise ModelFormatError(f"could not convert {path} (see the message above)")
         return outdir / "model.gguf"
     raise ModelFormatError(f"{path} is neither a model.gguf, a folder holding one, nor a Hugging Face folder "
-                           "(config.json); train one with `python -m quality.train --out DIR` and pass DIR/model")
+                           "(config.json); train one with `python -m conduit_rt.evaluation.task.train --out DIR` and pass DIR/model")
 
 
 def collect(args: argparse.Namespace, settings, scores, seconds: float, device: torch.device, dtype: torch.dtype,
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from ..runtime import resolve_device
 
     try:
-        import quality  # noqa: F401
+        import conduit_rt.evaluation.task  # noqa: F401
     except ImportError as error:
         raise SystemExit("conduit eval needs the `quality` package (the task generator), installed with conduit-rt "
                          f"or importable from a source checkout ({error})") from None

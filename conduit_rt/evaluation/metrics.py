@@ -78,7 +78,7 @@ def fidelity(reference: Outcome, outcome: Outcome) -> dict[str, float]:
 
 
 def is_correct(text: str, answer: str) -> bool:
-    """Exact match of the stripped answer text (the task's metric, ``quality.evaluate.exact_match``)."""
+    """Exact match of the stripped answer text (the task's metric, ``conduit_rt.evaluation.task.evaluate.exact_match``)."""
     return text.strip() == answer
 
 

@@ -2,7 +2,7 @@
 
 ``write_report(results, out)`` writes ``out/table.md`` (tables and headline), ``out/plot.png`` and
 ``out/quality.md`` (the docs page: how the numbers were made, then the tables and the plot, whose
-file it names ``quality.png``). ``python -m conduit_rt.evaluation.report results.json --docs docs``
+file it names ``conduit_rt.evaluation.task.png``). ``python -m conduit_rt.evaluation.report results.json --docs docs``
 regenerates ``docs/quality.md`` and ``docs/quality.png`` from a finished run's JSON.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ request. Three ways to have seen the pages (``SEEN_MODES``):
   order, among 0-2 companion pages from the same pool, every page under a tag other than its tag
   in the test request: changed prefix, order and companions (the in-context fill);
 - ``retagged``: one earlier request with the same pages shuffled under other tags
-  (``quality.generator.retagged_request``, the source ``quality.stale_kv`` calls retagged);
+  (``conduit_rt.evaluation.task.generator.retagged_request``, the source ``conduit_rt.evaluation.task.stale_kv`` calls retagged);
 - ``isolated``: each page alone in a one-image chat message, the wrapper the runtime's
   ``fill="isolated"`` uses.
 
@@ -20,7 +20,7 @@ import functools
 import random
 from collections.abc import Sequence
 
-from quality.generator import MAX_PAGES, TAGS, Ask, Page, Request, retagged_request
+from conduit_rt.evaluation.task.generator import MAX_PAGES, TAGS, Ask, Page, Request, retagged_request
 
 SEEN_MODES = ("sessions", "retagged", "isolated")
 MAX_GROUP = 3

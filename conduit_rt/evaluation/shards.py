@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def split_requests(args: argparse.Namespace, indices: list[int]) -> list[ReplayRequest]:
     """Test-split requests ``indices`` with the messages of the earlier requests that saw their pages."""
-    from quality.generator import make_request, page_for
+    from conduit_rt.evaluation.task.generator import make_request, page_for
 
     from .sessions import request_messages, seen_before
 

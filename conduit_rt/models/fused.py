@@ -25,16 +25,17 @@ so that they are torch's values to the bit).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
+
+from ..config import env
 
 
 @functools.cache
 def _triton():
     """The Triton kernels module, or None when Triton is unavailable or disabled (CONDUIT_NO_TRITON=1)."""
-    if os.environ.get("CONDUIT_NO_TRITON") == "1":
+    if not env().triton:
         return None
     try:
         from . import fused_triton

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice  # the accurate exp (tl.exp may use the approximate ex2)
+
+from ..config import env
 
 try:  # grid dependency control (not in older Tritons: there PDL stays off)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -52,7 +53,7 @@ def _triton_has_pdl() -> bool:
 def pdl_enabled(device_index: int) -> bool:
     """Whether kernels on CUDA device ``device_index`` launch with PDL: capability >= 9.0, a Triton
     that supports it, not the Triton interpreter, and ``CONDUIT_PDL`` not "0". Decided once a device."""
-    if os.environ.get("CONDUIT_PDL") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not env().pdl:
         return False
     return _triton_has_pdl() and torch.cuda.get_device_capability(device_index) >= (9, 0)
 

@@ -18,12 +18,12 @@ from typing import Any
 import gguf
 from gguf import MODEL_ARCH, MODEL_TENSOR, GGUFWriter
 
-from conduit_rt import gguf_names as names
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from conduit_rt.model_config import QwenVisionConfig
-from conduit_rt.preprocess import QwenVLPreprocessParams
-from convert.gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
-from convert.source import SourceCheckpoint
+from .. import gguf_names as names
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..model_config import QwenVisionConfig
+from ..preprocess import QwenVLPreprocessParams
+from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
+from .source import SourceCheckpoint
 
 # transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig defaults
 QWEN2_VISION_DEFAULTS: dict[str, Any] = {

@@ -12,13 +12,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from conduit_rt import gguf_names as names
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from convert import qwen2vl_text, qwen2vl_vision
-from convert.clip_vision import image_processor_config
-from convert.gguf_output import ConvertedFiles, OutputDtype
-from convert.source import SourceCheckpoint
-from convert.tokenizer_meta import read_tokenizer
+from .. import gguf_names as names
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from . import qwen2vl_text, qwen2vl_vision
+from .clip_vision import image_processor_config
+from .gguf_output import ConvertedFiles, OutputDtype
+from .source import SourceCheckpoint
+from .tokenizer_meta import read_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _is_qwen25(source: SourceCheckpoint) -> bool:
     """From config.json's model_type, which must agree with the declared architecture."""
     model_type = source.config.get("model_type")
     if model_type not in MODEL_TYPES:
-        from convert.registry import supported_architectures  # the registry imports this module
+        from .registry import supported_architectures  # the registry imports this module
 
         declared = ", ".join(source.config.get("architectures") or [])
         raise UnsupportedArchitectureError(

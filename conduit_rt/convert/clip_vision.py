@@ -19,11 +19,11 @@ from typing import Any
 import gguf
 from gguf import MODEL_ARCH, MODEL_TENSOR, GGUFWriter, Keys
 
-from conduit_rt import gguf_names as names
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from conduit_rt.model_config import VisionModelConfig
-from convert.gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
-from convert.source import SourceCheckpoint
+from .. import gguf_names as names
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..model_config import VisionModelConfig
+from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
+from .source import SourceCheckpoint
 
 # transformers' CLIPVisionConfig defaults: old config.json files leave these out.
 CLIP_VISION_DEFAULTS: dict[str, Any] = {

@@ -1,7 +1,7 @@
 """Train the task model from scratch and ship it as a Hugging Face LLaVA folder.
 
-    python -m quality.train --out runs/quality --minutes 6.4 --stale-requests 64   # GPU: the shipped model
-    python -m quality.train --out /tmp/q --tiny           # CPU smoke run, seconds
+    python -m conduit_rt.evaluation.task.train --out runs/quality --minutes 6.4 --stale-requests 64   # GPU: the shipped model
+    python -m conduit_rt.evaluation.task.train --out /tmp/q --tiny           # CPU smoke run, seconds
 
 Plain PyTorch: ``LlavaForConditionalGeneration`` in float32 with bfloat16 autocast on CUDA, AdamW,
 linear warmup then cosine decay over the time budget, loss on the answer tokens (and EOS) only,
@@ -25,13 +25,13 @@ START_TIME = time.time()
 
 import torch  # noqa: E402
 
-from quality.data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
-from quality.evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
-from quality.model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
-from quality.attention_hint import attention_hint_loss, field_hint_loss  # noqa: E402
-from quality.context_probe import ContextProbe, probe_layer  # noqa: E402
-from quality.reading_loss import ReadingHead, cell_labels  # noqa: E402
-from quality.tokenizer import build_tokenizer  # noqa: E402
+from .data import PromptEncoder, TrainStream, build_pool, max_pages_for, normalize_pixels  # noqa: E402
+from .evaluate import accuracy_by_pages, exact_match, greedy_answers  # noqa: E402
+from .model_config import MODEL_SIZES, count_parameters, new_model, write_model_folder  # noqa: E402
+from .attention_hint import attention_hint_loss, field_hint_loss  # noqa: E402
+from .context_probe import ContextProbe, probe_layer  # noqa: E402
+from .reading_loss import ReadingHead, cell_labels  # noqa: E402
+from .tokenizer import build_tokenizer  # noqa: E402
 
 
 def log(message: str, **values) -> None:
@@ -223,7 +223,7 @@ def finish(args, model, tokenizer, encoder, val_pool, test_pool, val_requests, t
     """Save the folder, then measure the saved (bfloat16) model: val, test, per page count, stale KV."""
     from transformers import LlavaForConditionalGeneration
 
-    from quality.stale_kv import stale_kv_report
+    from .stale_kv import stale_kv_report
 
     folder = write_model_folder(model, tokenizer, os.path.join(args.out, "model"))
     del model

@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from convert.gguf_output import ConvertedFiles, OutputDtype
-from convert.registry import find_converter
-from convert.source import open_source
+from .gguf_output import ConvertedFiles, OutputDtype
+from .registry import find_converter
+from .source import open_source
 
 logger = logging.getLogger(__name__)
 

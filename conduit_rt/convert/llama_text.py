@@ -15,12 +15,12 @@ from typing import Any
 import gguf
 from gguf import MODEL_ARCH, GGUFWriter
 
-from conduit_rt import gguf_names as names
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from conduit_rt.model_config import TextModelConfig
-from convert.gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
-from convert.source import SourceCheckpoint
-from convert.tokenizer_meta import TokenizerMeta, add_tokenizer_keys
+from .. import gguf_names as names
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..model_config import TextModelConfig
+from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
+from .source import SourceCheckpoint
+from .tokenizer_meta import TokenizerMeta, add_tokenizer_keys
 
 # transformers' LlamaConfig defaults: old config.json files (llava-hf's) leave these out.
 LLAMA_DEFAULTS: dict[str, Any] = {

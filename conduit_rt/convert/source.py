@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from conduit_rt.errors import ModelFormatError
+from ..errors import ModelFormatError
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quality.generator import COLOURS, TAGS
-from quality.model_config import NUM_IMAGE_TOKENS
+from .generator import COLOURS, TAGS
+from .model_config import NUM_IMAGE_TOKENS
 
 
 def probe_layer(num_layers: int) -> int:

@@ -14,13 +14,13 @@ from typing import Any
 import gguf
 from gguf import MODEL_ARCH, GGUFWriter
 
-from conduit_rt import gguf_names as names
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from conduit_rt.model_config import TextModelConfig
-from convert.gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
-from convert.llama_text import add_text_keys
-from convert.source import SourceCheckpoint
-from convert.tokenizer_meta import TokenizerMeta
+from .. import gguf_names as names
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..model_config import TextModelConfig
+from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
+from .llama_text import add_text_keys
+from .source import SourceCheckpoint
+from .tokenizer_meta import TokenizerMeta
 
 # transformers' Qwen2VLTextConfig / Qwen2_5_VLTextConfig defaults (hub configs spell most of them out).
 QWEN2VL_TEXT_DEFAULTS: dict[str, Any] = {

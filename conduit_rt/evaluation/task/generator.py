@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-from quality.font import GLYPH_CHARS, glyph_mask
+from .font import GLYPH_CHARS, glyph_mask
 
 IMAGE_SIZE = 64
 CELL_SIZE = 8

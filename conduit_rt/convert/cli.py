@@ -1,14 +1,14 @@
-"""``conduit convert`` / ``python -m convert``: a Hugging Face checkpoint -> ``DIR/model.gguf`` + ``DIR/mmproj.gguf``."""
+"""``conduit convert`` / ``python -m conduit_rt.convert``: a Hugging Face checkpoint -> ``DIR/model.gguf`` + ``DIR/mmproj.gguf``."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from conduit_rt.errors import ConduitError
-from convert.checkpoint import convert_checkpoint
-from convert.gguf_output import OutputDtype
-from convert.registry import supported_architectures
+from ..errors import ConduitError
+from .checkpoint import convert_checkpoint
+from .gguf_output import OutputDtype
+from .registry import supported_architectures
 
 
 def build_parser(prog: str = "conduit convert") -> argparse.ArgumentParser:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from quality.data import PagePool, PromptEncoder, normalize_pixels
-from quality.generator import Request
+from .data import PagePool, PromptEncoder, normalize_pixels
+from .generator import Request
 
 logger = logging.getLogger(__name__)
 

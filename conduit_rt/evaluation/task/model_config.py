@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from quality.generator import CELL_SIZE, IMAGE_SIZE
-from quality.tokenizer import BOS, CHAT_TEMPLATE, EOS, IMAGE_TOKEN, PAD, write_tokenizer_files
+from .generator import CELL_SIZE, IMAGE_SIZE
+from .tokenizer import BOS, CHAT_TEMPLATE, EOS, IMAGE_TOKEN, PAD, write_tokenizer_files
 
 PATCH_SIZE = CELL_SIZE  # one glyph cell = one vision patch = one image token
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from conduit_rt.errors import UnsupportedArchitectureError
-from convert import llava, qwen2vl
-from convert.gguf_output import ConvertedFiles, OutputDtype
-from convert.source import SourceCheckpoint
+from ..errors import UnsupportedArchitectureError
+from . import llava, qwen2vl
+from .gguf_output import ConvertedFiles, OutputDtype
+from .source import SourceCheckpoint
 
 
 class ArchitectureConverter(Protocol):

@@ -12,12 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from conduit_rt import gguf_names as names
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from convert import clip_vision, llama_text
-from convert.gguf_output import ConvertedFiles, OutputDtype
-from convert.source import SourceCheckpoint
-from convert.tokenizer_meta import read_tokenizer
+from .. import gguf_names as names
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from . import clip_vision, llama_text
+from .gguf_output import ConvertedFiles, OutputDtype
+from .source import SourceCheckpoint
+from .tokenizer_meta import read_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from quality.generator import COLOURS, GRID_SIZE, IMAGE_SIZE, MAX_PAGES, TAGS, Page, Request, make_request, page_for
-from quality.model_config import CLIP_MEAN, CLIP_STD, NUM_IMAGE_TOKENS
-from quality.tokenizer import BOS, EOS, IMAGE_TOKEN, PAD
+from .generator import COLOURS, GRID_SIZE, IMAGE_SIZE, MAX_PAGES, TAGS, Page, Request, make_request, page_for
+from .model_config import CLIP_MEAN, CLIP_STD, NUM_IMAGE_TOKENS
+from .tokenizer import BOS, EOS, IMAGE_TOKEN, PAD
 
 IGNORE_INDEX = -100
 FIELD_HINT_TOKENS = 3  # the question's last tokens (colour, "?", " ASSISTANT:") trained to look at the asked fields

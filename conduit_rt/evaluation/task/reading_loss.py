@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quality.generator import CODE_ALPHABET, COLOURS, GRID_SIZE, Page
+from .generator import CODE_ALPHABET, COLOURS, GRID_SIZE, Page
 
 NUM_CHAR_CLASSES = 1 + len(CODE_ALPHABET)  # 0: blank cell
 COLOUR_CLASSES = ("none", *COLOURS, "grey")

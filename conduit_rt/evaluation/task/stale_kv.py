@@ -25,11 +25,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from quality.data import PagePool, PromptEncoder
-from quality.evaluate import MAX_ANSWER_TOKENS, accuracy_by_pages, exact_match, greedy_answers, model_device_dtype, pool_pixels
-from quality.generator import Request, retagged_request
-from quality.model_config import NUM_IMAGE_TOKENS
-from quality.tokenizer import BOS, IMAGE_TOKEN
+from .data import PagePool, PromptEncoder
+from .evaluate import MAX_ANSWER_TOKENS, accuracy_by_pages, exact_match, greedy_answers, model_device_dtype, pool_pixels
+from .generator import Request, retagged_request
+from .model_config import NUM_IMAGE_TOKENS
+from .tokenizer import BOS, IMAGE_TOKEN
 
 logger = logging.getLogger(__name__)
 

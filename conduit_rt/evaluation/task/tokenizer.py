@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processo
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from quality.generator import CODE_ALPHABET, COLOURS, TAGS
+from .generator import CODE_ALPHABET, COLOURS, TAGS
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 IMAGE_TOKEN = "<image>"

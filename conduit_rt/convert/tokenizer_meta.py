@@ -14,8 +14,8 @@ from typing import Any
 
 from gguf import GGUFWriter, Keys, TokenType
 
-from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-from convert.source import SourceCheckpoint
+from ..errors import ModelFormatError, UnsupportedArchitectureError
+from .source import SourceCheckpoint
 
 SPECIAL_TOKEN_KEYS = {
     "bos": Keys.Tokenizer.BOS_ID, "eos": Keys.Tokenizer.EOS_ID, "unk": Keys.Tokenizer.UNK_ID, "pad": Keys.Tokenizer.PAD_ID,
