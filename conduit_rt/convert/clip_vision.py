@@ -22,7 +22,7 @@ from gguf import MODEL_ARCH, MODEL_TENSOR, GGUFWriter, Keys
 from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 from ..model_config import VisionModelConfig
-from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
+from .gguf_output import OutputDtype, PlannedTensor, plan_tensors, write_gguf
 from .source import SourceCheckpoint
 
 # transformers' CLIPVisionConfig defaults: old config.json files leave these out.
@@ -112,28 +112,20 @@ def plan_vision_tensors(
         if relative not in _PROJECTOR_NAMES:
             raise ModelFormatError(f"{source.root}: unexpected projector tensor {stored} (expected linear_1, linear_2)")
         found[_PROJECTOR_NAMES[relative]] = stored
-    planned = []
-    for gguf_name, shape in expected.items():
-        stored = found.get(gguf_name)
-        if stored is None:
-            raise ModelFormatError(f"{source.root}: missing vision tensor for {gguf_name}")
-        stored_shape = source.shape(stored)
-        if stored_shape != shape:
-            raise ModelFormatError(f"{source.root}: tensor {stored} has shape {list(stored_shape)}, expected {list(shape)}")
-        qtype = storage_type(shape, dtype, quantizable=not gguf_name.startswith("v.position_embd"))
-        planned.append(PlannedTensor(gguf_name, shape, qtype, lambda stored=stored: source.tensor(stored)))
-    return planned
+    return plan_tensors(source.root, found, expected, "vision", dtype, source.shape,
+                        lambda stored, gguf_name: lambda: source.tensor(stored),
+                        quantizable=lambda gguf_name: not gguf_name.startswith("v.position_embd"))
 
 
-def add_mmproj_keys(writer: GGUFWriter, config: VisionModelConfig, dtype: OutputDtype, model_name: str) -> None:
-    """llama.cpp's ``clip.*`` keys for an "mlp" projector, plus the conduit keys."""
+def add_vision_tower_keys(writer: GGUFWriter, config, dtype: OutputDtype, model_name: str, image_size: int) -> None:
+    """The ``general.*`` and ``clip.vision.*`` keys every mmproj carries (``config``: a
+    VisionModelConfig or QwenVisionConfig; ``image_size``: the one llama.cpp reads)."""
     writer.add_type(names.TYPE_MMPROJ)
     writer.add_name(model_name)
     writer.add_file_type(dtype.file_type)
     writer.add_clip_has_vision_encoder(True)
-    writer.add_bool(Keys.Clip.HAS_LLAVA_PROJECTOR, True)
     writer.add_clip_projector_type(config.projector_type)
-    writer.add_vision_image_size(config.image_size)
+    writer.add_vision_image_size(image_size)
     writer.add_vision_patch_size(config.patch_size)
     writer.add_vision_embedding_length(config.hidden_size)
     writer.add_vision_feed_forward_length(config.intermediate_size)
@@ -143,6 +135,12 @@ def add_mmproj_keys(writer: GGUFWriter, config: VisionModelConfig, dtype: Output
     writer.add_vision_projection_dim(config.projection_dim)
     writer.add_vision_image_mean(list(config.image_mean))
     writer.add_vision_image_std(list(config.image_std))
+
+
+def add_mmproj_keys(writer: GGUFWriter, config: VisionModelConfig, dtype: OutputDtype, model_name: str) -> None:
+    """llama.cpp's ``clip.*`` keys for an "mlp" projector, plus the conduit keys."""
+    add_vision_tower_keys(writer, config, dtype, model_name, config.image_size)
+    writer.add_bool(Keys.Clip.HAS_LLAVA_PROJECTOR, True)
     writer.add_vision_use_gelu(config.hidden_act == "gelu")
     keys = names.ConduitKeys
     writer.add_string(keys.VISION_HIDDEN_ACT, config.hidden_act)
@@ -156,10 +154,12 @@ def add_mmproj_keys(writer: GGUFWriter, config: VisionModelConfig, dtype: Output
 
 def write_mmproj(
     path: Path, config: VisionModelConfig, tensors: list[PlannedTensor], *, dtype: OutputDtype,
-    model_name: str, source_config_text: str, progress: bool,
+    model_name: str, source_config_text: str, progress: bool, mmproj_keys=None,
 ) -> Path:
+    """Writes the mmproj file; ``mmproj_keys(writer, config, dtype, model_name)`` adds the family's
+    keys (default: the LLaVA projector's, ``add_mmproj_keys``)."""
     def add_keys(writer: GGUFWriter) -> None:
-        add_mmproj_keys(writer, config, dtype, model_name)
+        (mmproj_keys or add_mmproj_keys)(writer, config, dtype, model_name)
         writer.add_string(names.ConduitKeys.SOURCE_CONFIG, source_config_text)
 
     return write_gguf(path, names.CLIP_ARCH, add_keys, tensors, progress=progress)

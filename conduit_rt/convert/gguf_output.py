@@ -19,6 +19,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 from gguf.quants import quantize
 from tqdm import tqdm
 
+from ..errors import ModelFormatError
+
 logger = logging.getLogger(__name__)
 
 GGML = GGMLQuantizationType
@@ -80,6 +82,44 @@ class PlannedTensor:
     shape: tuple[int, ...]
     qtype: GGMLQuantizationType
     load: Callable[[], torch.Tensor]  # returns the final float values, shape ``shape``
+
+
+def named_tensors(
+    source_root: Path, stored_names: dict[str, str], name_map, expected: dict[str, tuple[int, ...]],
+    family: str, skip: Callable[[str], bool],
+) -> dict[str, str]:
+    """GGUF name -> stored name for the text tensors of ``stored_names`` (HF name -> stored name),
+    through gguf's ``name_map``; names ``skip`` accepts are left out, and one with no expected GGUF
+    name is refused (ModelFormatError naming the ``family``)."""
+    found: dict[str, str] = {}
+    for hf_name, stored in stored_names.items():
+        if skip(hf_name):
+            continue
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name not in expected:
+            raise ModelFormatError(f"{source_root}: unexpected text tensor {stored} (no {family} GGUF name)")
+        found[gguf_name] = stored
+    return found
+
+
+def plan_tensors(
+    source_root: Path, found: dict[str, str], expected: dict[str, tuple[int, ...]], part: str, dtype: OutputDtype,
+    shape_of: Callable[[str], tuple[int, ...]], loader: Callable[[str, str], Callable[[], torch.Tensor]],
+    quantizable: Callable[[str], bool] = lambda name: True,
+) -> list[PlannedTensor]:
+    """One ``PlannedTensor`` per ``expected`` GGUF name (in its order) from ``found`` (GGUF name ->
+    stored name): every expected tensor must be there with its shape, else ModelFormatError naming
+    the ``part`` ("text", "vision"). ``loader(stored, gguf_name)`` makes the tensor's producer."""
+    planned = []
+    for gguf_name, shape in expected.items():
+        stored = found.get(gguf_name)
+        if stored is None:
+            raise ModelFormatError(f"{source_root}: missing {part} tensor for {gguf_name}")
+        if shape_of(stored) != shape:
+            raise ModelFormatError(f"{source_root}: tensor {stored} has shape {list(shape_of(stored))}, expected {list(shape)}")
+        qtype = storage_type(shape, dtype, quantizable=quantizable(gguf_name))
+        planned.append(PlannedTensor(gguf_name, shape, qtype, loader(stored, gguf_name)))
+    return planned
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 from . import clip_vision, llama_text
+from . import parts
 from .gguf_output import ConvertedFiles, OutputDtype
 from .source import SourceCheckpoint
 from .tokenizer_meta import read_tokenizer
@@ -53,26 +54,26 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
     if not hparams["multimodal_projector_bias"]:
         raise UnsupportedArchitectureError(f"{source.root}: a LLaVA projector without biases is not supported")
     text_hparams = llama_text.llama_hparams(source.config.get("text_config") or {})
-    parts = split_parts(source)
-    embedding = parts["text"].get("model.embed_tokens.weight")
+    tensors = split_parts(source)
+    embedding = tensors["text"].get("model.embed_tokens.weight")
     if embedding is None:
         raise ModelFormatError(f"{source.root}: no text embedding (language_model.model.embed_tokens.weight)")
     config_ids = {role: text_hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
     tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
     source_id = source.fingerprint()
-    text_config = _build(source, lambda: llama_text.llama_text_config(
+    text_config = parts.build_config(source, lambda: llama_text.llama_text_config(
         text_hparams, tokenizer, image_token_id=_image_token_id(hparams), source_id=source_id, source_config=source.config,
     ))
     attention_bias = bool(text_hparams["attention_bias"])
-    text_tensors = llama_text.plan_text_tensors(source, parts["text"], text_config, dtype, attention_bias=attention_bias)
-    vision_config = _build(source, lambda: clip_vision.clip_vision_config(
+    text_tensors = llama_text.plan_text_tensors(source, tensors["text"], text_config, dtype, attention_bias=attention_bias)
+    vision_config = parts.build_config(source, lambda: clip_vision.clip_vision_config(
         clip_vision.clip_hparams(source.config.get("vision_config") or DEFAULT_VISION_CONFIG),
         projection_dim=text_config.hidden_size, feature_layer=hparams["vision_feature_layer"],
         feature_select_strategy=hparams["vision_feature_select_strategy"],
         projector_hidden_act=hparams["projector_hidden_act"], preprocessor=clip_vision.image_processor_config(source),
-        processor=_processor_settings(source), source_id=source_id, source_config=source.config,
+        processor=parts.processor_settings(source), source_id=source_id, source_config=source.config,
     ))
-    vision_tensors = clip_vision.plan_vision_tensors(source, parts["tower"], parts["projector"], vision_config, dtype)
+    vision_tensors = clip_vision.plan_vision_tensors(source, tensors["tower"], tensors["projector"], vision_config, dtype)
 
     outdir.mkdir(parents=True, exist_ok=True)
     common = {"dtype": dtype, "model_name": source.name, "source_config_text": source.config_text, "progress": progress}
@@ -83,32 +84,8 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
 
 def split_parts(source: SourceCheckpoint) -> dict[str, dict[str, str]]:
     """{"text" | "tower" | "projector": {name inside the part: stored name}}; unknown names are refused."""
-    parts: dict[str, dict[str, str]] = {"text": {}, "tower": {}, "projector": {}}
-    prefixes = sorted(_PARTS, key=len, reverse=True)  # longest first: "model.vision_tower.vision_model." wins
-    for stored in source.tensor_names:
-        prefix = next((p for p in prefixes if stored.startswith(p)), None)
-        if prefix is None:
-            raise ModelFormatError(f"{source.root}: tensor {stored} belongs to no part of a LLaVA model")
-        part, inner = _PARTS[prefix]
-        parts[part][inner + stored[len(prefix):]] = stored
-    return parts
+    return parts.split_parts(source, _PARTS, "LLaVA")
 
 
 def _image_token_id(hparams: dict[str, Any]) -> int:
     return int(hparams.get("image_token_id", hparams["image_token_index"]))
-
-
-def _processor_settings(source: SourceCheckpoint) -> dict[str, Any]:
-    """processor_config.json without the image processor part (kept separately) and the template."""
-    processor = source.json_file("processor_config.json") or {}
-    return {key: value for key, value in processor.items() if key not in ("image_processor", "chat_template")}
-
-
-def _build(source: SourceCheckpoint, build):
-    """Config validation errors (``ValueError``) become ``ModelFormatError`` naming the checkpoint."""
-    try:
-        return build()
-    except (ModelFormatError, UnsupportedArchitectureError):
-        raise
-    except ValueError as exc:
-        raise ModelFormatError(f"{source.root}/config.json: {exc}") from exc

@@ -16,6 +16,7 @@ from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 from . import qwen2vl_text, qwen2vl_vision
 from .clip_vision import image_processor_config
+from . import parts
 from .gguf_output import ConvertedFiles, OutputDtype
 from .source import SourceCheckpoint
 from .tokenizer_meta import read_tokenizer
@@ -41,25 +42,25 @@ _PARTS = {  # stored-name prefix -> (part, prefix of the name inside that part)
 def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progress: bool = True) -> ConvertedFiles:
     """Write ``outdir/model.gguf`` and ``outdir/mmproj.gguf`` from a Qwen2-VL or Qwen2.5-VL checkpoint."""
     is_qwen25 = _is_qwen25(source)
-    parts = split_parts(source)
-    text_hparams = _build(source, lambda: qwen2vl_text.qwen2vl_text_hparams(source.config))
-    embedding = parts["text"].get("model.embed_tokens.weight")
+    tensors = split_parts(source)
+    text_hparams = parts.build_config(source, lambda: qwen2vl_text.qwen2vl_text_hparams(source.config))
+    embedding = tensors["text"].get("model.embed_tokens.weight")
     if embedding is None:
         raise ModelFormatError(f"{source.root}: no text embedding (model.embed_tokens.weight)")
     config_ids = {role: text_hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
     tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
     source_id = source.fingerprint()
     image_token_id = int(source.config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
-    text_config = _build(source, lambda: qwen2vl_text.qwen2vl_text_config(
+    text_config = parts.build_config(source, lambda: qwen2vl_text.qwen2vl_text_config(
         text_hparams, tokenizer, image_token_id=image_token_id, source_id=source_id, source_config=source.config,
     ))
-    text_tensors = qwen2vl_text.plan_text_tensors(source, parts["text"], text_config, dtype)
-    vision_config = _build(source, lambda: qwen2vl_vision.qwen_vision_config(
+    text_tensors = qwen2vl_text.plan_text_tensors(source, tensors["text"], text_config, dtype)
+    vision_config = parts.build_config(source, lambda: qwen2vl_vision.qwen_vision_config(
         source.config.get("vision_config") or {}, is_qwen25=is_qwen25, text_hidden=text_config.hidden_size,
-        preprocessor=image_processor_config(source), processor=_processor_settings(source), source_id=source_id,
+        preprocessor=image_processor_config(source), processor=parts.processor_settings(source), source_id=source_id,
         source_config=source.config,
     ))
-    vision_tensors = qwen2vl_vision.plan_vision_tensors(source, parts["vision"], vision_config, dtype)
+    vision_tensors = qwen2vl_vision.plan_vision_tensors(source, tensors["vision"], vision_config, dtype)
 
     outdir.mkdir(parents=True, exist_ok=True)
     common = {"dtype": dtype, "model_name": source.name, "source_config_text": source.config_text, "progress": progress}
@@ -84,28 +85,4 @@ def _is_qwen25(source: SourceCheckpoint) -> bool:
 
 def split_parts(source: SourceCheckpoint) -> dict[str, dict[str, str]]:
     """{"text" | "vision": {name inside the part: stored name}}; unknown names are refused."""
-    parts: dict[str, dict[str, str]] = {"text": {}, "vision": {}}
-    prefixes = sorted(_PARTS, key=len, reverse=True)  # longest first: "model.visual." before "model."
-    for stored in source.tensor_names:
-        prefix = next((p for p in prefixes if stored.startswith(p)), None)
-        if prefix is None:
-            raise ModelFormatError(f"{source.root}: tensor {stored} belongs to no part of a Qwen2-VL model")
-        part, inner = _PARTS[prefix]
-        parts[part][inner + stored[len(prefix):]] = stored
-    return parts
-
-
-def _processor_settings(source: SourceCheckpoint) -> dict[str, Any]:
-    """processor_config.json without the image processor part (kept separately) and the template."""
-    processor = source.json_file("processor_config.json") or {}
-    return {key: value for key, value in processor.items() if key not in ("image_processor", "chat_template")}
-
-
-def _build(source: SourceCheckpoint, build):
-    """Config validation errors (``ValueError``) become ``ModelFormatError`` naming the checkpoint."""
-    try:
-        return build()
-    except (ModelFormatError, UnsupportedArchitectureError):
-        raise
-    except ValueError as exc:
-        raise ModelFormatError(f"{source.root}/config.json: {exc}") from exc
+    return parts.split_parts(source, _PARTS, "Qwen2-VL")

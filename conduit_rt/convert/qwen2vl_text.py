@@ -17,7 +17,7 @@ from gguf import MODEL_ARCH, GGUFWriter
 from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 from ..model_config import TextModelConfig
-from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
+from .gguf_output import OutputDtype, PlannedTensor, named_tensors, plan_tensors, write_gguf
 from .llama_text import add_text_keys
 from .source import SourceCheckpoint
 from .tokenizer_meta import TokenizerMeta
@@ -92,23 +92,11 @@ def plan_text_tensors(
     """
     name_map = gguf.get_tensor_name_map(MODEL_ARCH.QWEN2VL, config.num_hidden_layers)
     expected = config.tensor_shapes()
-    found: dict[str, str] = {}
-    for hf_name, stored in stored_names.items():
-        if hf_name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and hf_name == "lm_head.weight"):
-            continue
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name not in expected:
-            raise ModelFormatError(f"{source.root}: unexpected text tensor {stored} (no Qwen2-VL GGUF name)")
-        found[gguf_name] = stored
-    planned = []
-    for gguf_name, shape in expected.items():
-        stored = found.get(gguf_name)
-        if stored is None:
-            raise ModelFormatError(f"{source.root}: missing text tensor for {gguf_name}")
-        if source.shape(stored) != shape:
-            raise ModelFormatError(f"{source.root}: tensor {stored} has shape {list(source.shape(stored))}, expected {list(shape)}")
-        planned.append(PlannedTensor(gguf_name, shape, storage_type(shape, dtype), lambda stored=stored: source.tensor(stored)))
-    return planned
+    tied = config.tie_word_embeddings
+    found = named_tensors(source.root, stored_names, name_map, expected, "Qwen2-VL",
+                          lambda hf_name: hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"))
+    return plan_tensors(source.root, found, expected, "text", dtype, source.shape,
+                        lambda stored, gguf_name: lambda: source.tensor(stored))
 
 
 def write_text_model(

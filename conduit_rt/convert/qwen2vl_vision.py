@@ -22,6 +22,8 @@ from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 from ..model_config import QwenVisionConfig
 from ..preprocess import QwenVLPreprocessParams
+from . import clip_vision
+from .clip_vision import add_vision_tower_keys
 from .gguf_output import OutputDtype, PlannedTensor, storage_type, write_gguf
 from .source import SourceCheckpoint
 
@@ -123,21 +125,7 @@ def _split(source: SourceCheckpoint, relative: str, stored: str, name_map: gguf.
 def add_mmproj_keys(writer: GGUFWriter, config: QwenVisionConfig, dtype: OutputDtype, model_name: str) -> None:
     """llama.cpp's ``clip.*`` keys for a Qwen merger, plus the conduit keys."""
     preprocess = QwenVLPreprocessParams.from_hf_config(config.preprocessor_config)
-    writer.add_type(names.TYPE_MMPROJ)
-    writer.add_name(model_name)
-    writer.add_file_type(dtype.file_type)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(config.projector_type)
-    writer.add_vision_image_size(LLAMA_CPP_IMAGE_SIZE)
-    writer.add_vision_patch_size(config.patch_size)
-    writer.add_vision_embedding_length(config.hidden_size)
-    writer.add_vision_feed_forward_length(config.intermediate_size)
-    writer.add_vision_block_count(config.num_hidden_layers)
-    writer.add_vision_head_count(config.num_attention_heads)
-    writer.add_vision_attention_layernorm_eps(config.layer_norm_eps)
-    writer.add_vision_projection_dim(config.projection_dim)
-    writer.add_vision_image_mean(list(config.image_mean))
-    writer.add_vision_image_std(list(config.image_std))
+    add_vision_tower_keys(writer, config, dtype, model_name, LLAMA_CPP_IMAGE_SIZE)
     writer.add_vision_spatial_merge_size(config.spatial_merge_size)
     writer.add_vision_min_pixels(preprocess.min_pixels)
     writer.add_vision_max_pixels(preprocess.max_pixels)
@@ -166,15 +154,9 @@ def _window_pattern(config: QwenVisionConfig) -> int | None:
     return pattern if tuple(range(pattern - 1, config.num_hidden_layers, pattern)) == tuple(blocks) else None
 
 
-def write_mmproj(
-    path: Path, config: QwenVisionConfig, tensors: list[PlannedTensor], *, dtype: OutputDtype,
-    model_name: str, source_config_text: str, progress: bool,
-) -> Path:
-    def add_keys(writer: GGUFWriter) -> None:
-        add_mmproj_keys(writer, config, dtype, model_name)
-        writer.add_string(names.ConduitKeys.SOURCE_CONFIG, source_config_text)
-
-    return write_gguf(path, names.CLIP_ARCH, add_keys, tensors, progress=progress)
+def write_mmproj(path: Path, config: QwenVisionConfig, tensors: list[PlannedTensor], **options) -> Path:
+    """Writes the mmproj file with the Qwen merger's keys (options: as ``clip_vision.write_mmproj``)."""
+    return clip_vision.write_mmproj(path, config, tensors, mmproj_keys=add_mmproj_keys, **options)
 
 
 __all__ = ["add_mmproj_keys", "plan_vision_tensors", "qwen_vision_config", "write_mmproj"]
