@@ -20,32 +20,13 @@ from PIL import Image
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 
-from conduit_rt.model_config import TextModelConfig, VisionModelConfig
+from ..evaluation.task.tokenizer import CHAT_TEMPLATE  # LLaVA-1.5's conversation format
+from ..model_config import TextModelConfig, VisionModelConfig
 
 SPECIALS = ("<unk>", "<s>", "</s>")
 IMAGE_TOKEN, PAD_TOKEN = "<image>", "<pad>"
 # pieces the chat template writes, and one-character pieces the streaming detokenizer looks for
 TEMPLATE_WORDS = ("USER", "ASSISTANT", ":", "a", "x", "e", "0", "A", "!", ".")
-# LLaVA-1.5's conversation format, as tests/fixtures/tiny_tokenizer.py writes it (text parts only here)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['content'] is string %}"
-    "{% set parts = [{'type': 'text', 'text': message['content']}] %}"
-    "{% else %}{% set parts = message['content'] %}{% endif %}"
-    "{% if message['role'] == 'system' %}"
-    "{% for part in parts if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}{{ ' ' }}"
-    "{% elif message['role'] == 'user' %}{{ 'USER: ' }}"
-    "{% for part in parts %}"
-    "{% if part['type'] == 'image' %}{{ '<image>\n' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{{ ' ' }}"
-    "{% else %}{{ 'ASSISTANT: ' }}"
-    "{% for part in parts if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}{{ eos_token }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
 
 
 @dataclass(frozen=True, slots=True)
