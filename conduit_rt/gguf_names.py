@@ -126,6 +126,18 @@ def llama_attention_bias_shapes(*, num_layers: int, hidden_size: int, q_rows: in
     return shapes
 
 
+def _vision_block_linears(hidden_size: int, intermediate_size: int) -> dict:
+    """The shapes ([out, in]) of a ViT block's attention and MLP projections, by tensor kind."""
+    return {
+        MODEL_TENSOR.V_ENC_ATTN_Q: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_K: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_V: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_O: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_FFN_UP: (intermediate_size, hidden_size),
+        MODEL_TENSOR.V_ENC_FFN_DOWN: (hidden_size, intermediate_size),
+    }
+
+
 def clip_mlp_mmproj_tensor_shapes(
     *, hidden_size: int, intermediate_size: int, num_layers: int, num_channels: int,
     patch_size: int, num_positions: int, projection_dim: int,
@@ -163,14 +175,7 @@ def clip_mlp_mmproj_tensor_shapes(
         tensor_name(MODEL_TENSOR.V_PRE_NORM, "weight"): (hidden_size,),
         tensor_name(MODEL_TENSOR.V_PRE_NORM, "bias"): (hidden_size,),
     }
-    linear = {
-        MODEL_TENSOR.V_ENC_ATTN_Q: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_ATTN_K: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_ATTN_V: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_ATTN_O: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_FFN_UP: (intermediate_size, hidden_size),
-        MODEL_TENSOR.V_ENC_FFN_DOWN: (hidden_size, intermediate_size),
-    }
+    linear = _vision_block_linears(hidden_size, intermediate_size)
     layer_norms = (MODEL_TENSOR.V_ENC_INPUT_NORM, MODEL_TENSOR.V_ENC_POST_ATTN_NORM)
     for layer in range(num_layers):
         for kind, (rows, cols) in linear.items():
@@ -226,14 +231,7 @@ def qwen_vision_mmproj_tensor_shapes(
     patch = (hidden_size, num_channels, patch_size, patch_size)
     shapes: dict[str, tuple[int, ...]] = {tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH): patch, PATCH_EMBD_FRAME_1: patch}
     norm_suffixes = ("weight", "bias") if norm_bias else ("weight",)
-    linear = {
-        MODEL_TENSOR.V_ENC_ATTN_Q: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_ATTN_K: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_ATTN_V: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_ATTN_O: (hidden_size, hidden_size),
-        MODEL_TENSOR.V_ENC_FFN_UP: (intermediate_size, hidden_size),
-        MODEL_TENSOR.V_ENC_FFN_DOWN: (hidden_size, intermediate_size),
-    }
+    linear = _vision_block_linears(hidden_size, intermediate_size)
     if gated_mlp:
         linear[MODEL_TENSOR.V_ENC_FFN_GATE] = (intermediate_size, hidden_size)
     for layer in range(num_layers):

@@ -60,9 +60,8 @@ class TextModelConfig:
         _require(not is_qwen or (len(self.rope_sections) == 3 and sum(self.rope_sections) == self.head_dim // 2),
                  f"M-RoPE sections {self.rope_sections} must be 3 counts summing to head_dim / 2 = {self.head_dim // 2}")
         _require(is_qwen or not self.rope_sections, "rope_sections are for the qwen2vl architecture only")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _require_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"))
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
         _require(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE")
@@ -138,9 +137,8 @@ class VisionModelConfig:
     source_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "projection_dim"):
-            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _require_positive(self, ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads", "projection_dim"))
         _require(self.projector_type == names.PROJECTOR_MLP, f"projector type {self.projector_type!r} is not supported")
         _require(self.image_size % self.patch_size == 0,
                  f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
@@ -214,9 +212,8 @@ class QwenVisionConfig:
     source_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "spatial_merge_size", "num_channels", "hidden_size", "intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "projection_dim"):
-            _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        _require_positive(self, ("patch_size", "spatial_merge_size", "num_channels", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads", "projection_dim"))
         _require(self.projector_type in names.QWEN_PROJECTORS, f"projector type {self.projector_type!r} is not a Qwen merger")
         _require(self.temporal_patch_size == 2, f"temporal_patch_size {self.temporal_patch_size} is not supported (2 only)")
         _require(self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 4 == 0,
@@ -258,3 +255,9 @@ class QwenVisionConfig:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _require_positive(config: object, fields: tuple[str, ...]) -> None:
+    """Raises ValueError naming the first of ``fields`` of ``config`` that is not > 0."""
+    for name in fields:
+        _require(getattr(config, name) > 0, f"{name} must be positive, got {getattr(config, name)}")
