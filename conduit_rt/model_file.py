@@ -366,7 +366,7 @@ def _full_attention_blocks(keys: KeyReader) -> tuple[int, ...]:
 
 
 def _build_config(path: Path, build):
-    """Run a config constructor; its validation errors become ``ModelFormatError`` naming ``path``."""
+    """Calls a config constructor; its validation errors become ``ModelFormatError`` naming ``path``."""
     try:
         return build()
     except ModelFormatError:

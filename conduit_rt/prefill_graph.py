@@ -3,7 +3,7 @@
 A warm CONDUIT request forwards about a hundred text tokens through the decoder (the text pass), then
 the ~10% of image tokens it refreshes (the recompute). For a 7B decoder on an H200 the text pass is
 ~11 ms of GPU work, but its ~13 launches a layer cost ~35 us of host time each, so launching it from
-Python took ~18 ms and the GPU waited. The decode step solves this by capturing everything
+Python takes ~18 ms and the GPU waits. The decode step solves this by capturing everything
 (``decode_graph``); a prefill pass cannot be captured whole as it is, since the native attention reads
 its sequence's length and block table on the host and uploads the pass's slot list. So the pass is
 cut at the attentions ("piecewise" graphs), and each dense stretch between two of them is one replay:

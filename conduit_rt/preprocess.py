@@ -8,7 +8,7 @@ rescale in float64 then float32, normalize in float32. The output is bit-identic
 transformers 5 picks its torchvision backend instead when torchvision is installed; that one
 resizes with torch's antialiased bicubic and differs from PIL by up to a few 1e-2.
 
-Identity (METHODS.md §1 step 1): ``image_key`` is sha256 over the decoded RGB pixels and their
+Identity (docs/methods.md §1 step 1): ``image_key`` is sha256 over the decoded RGB pixels and their
 size, the canonical JSON of the preprocessing parameters and the vision-model id.
 """
 

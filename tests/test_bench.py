@@ -11,6 +11,7 @@ import math
 import pytest
 
 from conduit_rt import reuse
+from conduit_rt.bench import report as bench_report
 from conduit_rt.bench.breakdown import PHASES, PhaseClock
 from conduit_rt.bench.targets import ROW_FIELDS, ROW_KEYS, at_least, at_most
 from conduit_rt.cli import main
@@ -83,6 +84,15 @@ def test_markdown_page_and_plots(report):
     assert len(data["plots"]) == 4
     for plot in data["plots"]:
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_page_renders_again_from_the_json(report, tmp_path):
+    """``python -m conduit_rt.bench.report --from-json`` gives the run's page back from its JSON alone."""
+    _, out, _ = report
+    copy = tmp_path / "benchmarks.json"
+    copy.write_text((out / "benchmarks.json").read_text())
+    assert bench_report.main(["--from-json", str(copy), "--no-plots"]) == 0
+    assert (tmp_path / "benchmarks.md").read_text() == (out / "benchmarks.md").read_text()
 
 
 def test_phase_clock_puts_the_methods_back():

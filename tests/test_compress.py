@@ -44,7 +44,7 @@ def record(monkeypatch, name: str) -> Recording:
     return recorder
 
 
-# -- a plain-torch reference of METHODS.md §2 -------------------------------------------------------------
+# -- a plain-torch reference of docs/methods.md §2 --------------------------------------------------------
 def probabilities(rec: Recording, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Full softmax [H, |rows|, m] (float64) of the rows that were computed, and the visible mask."""
     rows = [r for r in rows if r in rec.q[layer]]

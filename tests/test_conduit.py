@@ -129,7 +129,7 @@ class RecordingConduit(Conduit):
 
 
 def reference_selection(seen) -> torch.Tensor:
-    """METHODS.md §1 steps 5-7 in plain torch: full softmax over every visible key, value norms,
+    """docs/methods.md §1 steps 5-7 in plain torch: full softmax over every visible key, value norms,
     layer mean, image amplification, one global top-k."""
     tokens, positions = seen["tokens"], seen["positions"].long()
     q_pos = torch.tensor(seen["query_positions"])

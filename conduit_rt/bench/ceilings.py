@@ -1,9 +1,9 @@
-"""The device's two ceilings, measured once per run (METHOD: measure them, do not trust datasheets).
+"""The device's two ceilings, measured once per run (measured, not taken from datasheets).
 
 - copy bandwidth: one large device-to-device copy, counting the bytes read plus the bytes written;
   every memory-bound target (decode attention, decode tokens/s) is a fraction of it.
 - matmul rate: a square bf16 (float32 on the CPU) product, 2 n^3 FLOPs over its time.
-Inputs are random (a product of zeros ran 13% faster on an H200 of this workplace).
+Inputs are random: a product of zeros runs about 13% faster on an H200 than one of random values.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sizes of every benchmark: the issue's (``full``) and a shrunken set for smoke runs (``quick``)."""
+"""The sizes of every benchmark: the full ones, and a shrunken set for smoke runs (``quick``)."""
 from __future__ import annotations
 
 import dataclasses

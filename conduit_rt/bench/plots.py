@@ -23,7 +23,7 @@ def targets(plt, result: dict, rows) -> object:
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("margin over the target (log; >= 1 meets it)")
-    ax.set_title("Issue 7 targets")
+    ax.set_title("Targets")
     return fig
 
 

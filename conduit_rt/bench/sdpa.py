@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .timing import Timer
 
 DECODE_BACKENDS = ("flash", "cudnn", "efficient", "math")
-PREFILL_BACKENDS = ("flash", "cudnn", "efficient")  # the reference is the faster of cuDNN and flash
+PREFILL_BACKENDS = ("flash", "cudnn", "efficient")  # the reference is the faster of cuDNN and flash
 CORRECT_REL_ERR = 2e-2  # bf16 attention lands near 5e-3; past this the kernel computes something else
 
 

@@ -1,4 +1,4 @@
-"""Target rows: what was measured, against which reference, the ratio and whether it meets the issue.
+"""Target rows: what was measured, against which reference, the ratio and whether it meets its target.
 
 Every row compares a ratio with a threshold, ``>=`` or ``<=``; ``ratio`` is spelled out per row
 (for example "reference time / our time"), so that a row reads without the code.
@@ -16,7 +16,7 @@ ROWS: dict[str, str] = {
                       "on the same K/V laid out [B, H_kv, n, d] (enable_gqa, or K/V expanded where a backend needs it)",
     "decode_long.bandwidth": "as decode.bandwidth at batch 1 x 128K",
     "decode_long.vs_sdpa": "as decode.vs_sdpa at batch 1 x 128K",
-    "decode_batch.bandwidth": "as decode.bandwidth at batch 16 x 8K: one Sequence.attention call per sequence",
+    "decode_batch.bandwidth": "as decode.bandwidth at batch 16 x 8K: one decode-step launch over the 16 sequences",
     "decode_batch.vs_sdpa": "as decode.vs_sdpa at batch 16 x 8K (SDPA takes the batch in one call)",
     "compressed.vs_full": "decode over the 32K sequence compacted to a random 10% of its slots, against the same "
                           "sequence uncompacted",

@@ -1,4 +1,4 @@
-"""Quality measures of one answer against the full-prefill reference, and their means (METHODS.md §4).
+"""Quality measures of one answer against the full-prefill reference, and their means (docs/methods.md §4).
 
 Every setting answers the same request greedily; its ``Outcome`` holds the generated tokens, the
 logits of every step and the final hidden state that produced them. Fidelity compares an outcome

@@ -11,9 +11,9 @@ definition: the Triton kernels round every intermediate to the model dtype where
 (transformers' LlamaRMSNorm, ``silu(gate) * up``, ``x cos + rotate_half(x) sin`` with cos and sin
 cast to the dtype), so they agree with it to the last bit or one unit in the last place.
 
-``linear`` of a single row (a decode step) is a Triton GEMV that streams the weight at 0.57-0.94 of
-the copy bandwidth on an H200 where cuBLAS's M = 1 kernels reach 0.43-0.82 (docs/benchmarks/gemv.md);
-several rows, or the CPU, go to ``F.linear``. Its float32 sum runs in another order than cuBLAS's.
+``linear`` of a single row (a decode step) is a Triton GEMV that streams a 7B decoder's weights at
+0.57-0.94 of the copy bandwidth on an H200, where cuBLAS's M = 1 kernels reach 0.43-0.82; several
+rows, or the CPU, go to ``F.linear``. Its float32 sum runs in another order than cuBLAS's.
 Two of a decode step's elementwise kernels ride on the GEMV before them: ``linear_silu_gate`` (the
 gate/up product, then the SiLU gate) and ``linear_rotate_q`` (the q/k/v product, then the queries'
 RoPE) give the same bits as the GEMV followed by ``silu_mul`` or ``rotate``, one launch fewer each.

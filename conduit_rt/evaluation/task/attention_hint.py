@@ -14,7 +14,7 @@ layer computes it (input RMSNorm, q/k projections, RoPE, 1/sqrt(d) scale):
   question looks at what it asks about, as question tokens of pretrained VLMs look at the region
   they ask about. This is what makes the question's attention identify the image tokens an answer
   needs, the premise of attention-based refresh (CONDUIT) and of VL-Cache; without it only the
-  decode-time reads look at a field's second and third cells (docs/quality.md: the oracle study).
+  decode-time reads look at a field's second and third cells (docs/quality/findings.md: the oracle study).
 
 Training-time only; the shipped model is a plain ``LlavaForConditionalGeneration``.
 """

@@ -11,7 +11,7 @@ each its own signal, at the output of decoder layer ``layer``:
   the turn's first ask.
 
 The first probe makes, by construction, the deeper-layer states of image tokens depend on the text
-before the page, which is what stale KV gets wrong (README.md). The heads are training-time only;
+before the page, which is what stale KV gets wrong (docs/quality/task.md). The heads are training-time only;
 the shipped model is a plain ``LlavaForConditionalGeneration``.
 """
 

@@ -8,7 +8,7 @@ and a colour: "bee red?" -> the red code of the page tagged bee. A two-page ques
 codes: "bee red and cat blue?" -> "K7Q 4ZB". The asked colour also appears on other pages of the
 request whenever it can, so the colour alone does not identify the field.
 
-Why stale KV hurts (see README.md): nothing on a page says which tag it carries, so the page's
+Why stale KV hurts (see docs/quality/task.md): nothing on a page says which tag it carries, so the page's
 image tokens can only learn "I belong to page bee" by attending to the text before them. KV
 computed under another prefix (another tag, or a one-image wrapper with no tag) carries the wrong
 membership, while the colour and the code (read by the vision tower) stay right.
