@@ -103,6 +103,21 @@ class RequestError(ConduitError, ValueError):
     """A request (messages, images, sampling parameters) is malformed."""
 
 
+class ImageTooLargeError(RequestError):
+    """An image has more pixels than PIL decodes safely (``PIL.Image.MAX_IMAGE_PIXELS``, its guard
+    against decompression bombs): downscale it before sending it."""
+
+
+class DeviceUnavailableError(ConduitError, ValueError):
+    """The requested device is not one this process can run on (no such device, no CUDA, or not a
+    device conduit-rt supports); the message lists the devices that are available."""
+
+
+class MissingExtraError(ConduitError, ImportError):
+    """An optional package a command needs is not installed; the message names the pip extra that
+    installs it (``pip install 'conduit-rt[eval]'``)."""
+
+
 NATIVE_ERRORS: dict[int, type[NativeError]] = {
     cls.status: cls
     for cls in (

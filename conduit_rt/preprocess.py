@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from conduit_rt.errors import ModelFormatError, RequestError
+from conduit_rt.errors import ImageTooLargeError, ModelFormatError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,9 @@ def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
         return opened
     except FileNotFoundError as error:
         raise RequestError(f"image file not found: {name}") from error
+    except Image.DecompressionBombError as error:
+        raise ImageTooLargeError(f"image {name} has more pixels than PIL decodes safely ({str(error).rstrip('.')}); "
+                                 "downscale it first") from error
     except (UnidentifiedImageError, OSError, ValueError) as error:
         raise RequestError(f"cannot decode image {name}: {error}") from error
 

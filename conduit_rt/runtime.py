@@ -29,7 +29,7 @@ from .convert.cache import model_files
 from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
 from .decode_graph import GraphedDecoder
 from .prefill_graph import PrefillGraphs
-from .errors import ArenaFullError, RequestError
+from .errors import ArenaFullError, DeviceUnavailableError, RequestError
 from .image_cache import DecodedImages, EmbeddingCache, ImageKVStore
 from .models.base import ForwardBatch, PreparedImage
 from .prefix_cache import PrefixCache, common_prefix
@@ -47,11 +47,37 @@ DEFAULT_CONTEXT_TOKENS = 32768
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available() and native.backends()["cuda"]["available"]:
+    """The torch device for ``"auto"`` (CUDA when both torch and the native library can use it, else
+    the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises DeviceUnavailableError, listing the devices available, for a string torch cannot parse,
+    a device type other than cpu or cuda, or a CUDA device that torch or the native library lacks.
+    """
+    cuda_usable = torch.cuda.is_available() and native.backends()["cuda"]["available"]
+    if str(device) == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if cuda_usable else torch.device("cpu")
+    available = ["cpu"] + ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda_usable else [])
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise DeviceUnavailableError(f"unknown device {str(device)!r}: use auto, cpu, cuda or cuda:N "
+                                     f"(available here: {', '.join(available)})")
+    if resolved.type == "cpu":
+        return resolved
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"device {str(device)!r}: torch sees no CUDA device here; "
+                                     "use --device cpu (available here: cpu)")
+    if not native.backends()["cuda"]["available"]:
+        raise DeviceUnavailableError(f"device {str(device)!r}: the native library {native.find_library()} has no "
+                                     "usable CUDA backend; use a CUDA build (CONDUIT_LIB) or --device cpu "
+                                     "(available here: cpu)")
+    if resolved.index is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if resolved.index >= torch.cuda.device_count():
+        raise DeviceUnavailableError(f"no device {str(device)!r}: available here: {', '.join(available)}")
+    return resolved
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Order: ceilings (copy bandwidth, matmul rate), kernels, scoring and top-k, end to end. A section
 that raises is recorded in the JSON (``errors``) and its rows are reported as not measured; the
 other sections still run. The exit status is 0 whether targets pass or not (this is a measurement,
-not a test); it is 2 when a section could not run.
+not a test); it is 2 when a section could not run, and 1 when the run cannot start (no such device,
+a missing extra), which prints one ``conduit: error:`` line.
 """
 from __future__ import annotations
 
@@ -18,25 +19,32 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from . import ceilings, e2e, kernels, report, scoring
+from ..cli import DEVICE_HELP, reports_errors
+from ..extras import pyplot, require
+from . import ceilings, e2e, kernels, report, scoring, synthetic
 from .config import BenchConfig, make_config
 from .targets import Target, with_missing
 from .timing import Timer
 
 logger = logging.getLogger("conduit_rt.bench")
 
+SECTIONS = ("kernels", "scoring", "e2e")  # after the ceilings, which always run
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conduit bench", description="conduit-rt's benchmark suite (issue 7): "
-                                     "kernels and end-to-end runs against torch SDPA and transformers")
+    parser = argparse.ArgumentParser(prog="conduit bench", description="conduit-rt's benchmark suite: kernels and "
+                                     "end-to-end runs against torch SDPA and transformers; a progress bar over the "
+                                     "sections goes to stderr")
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="folder for benchmarks.json, benchmarks.md and benchmarks/*.png (default: bench-out)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cuda[:N] or cpu")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds, not the issue's")
-    parser.add_argument("--skip", action="append", default=[], choices=["kernels", "scoring", "e2e"],
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds, not the full sizes")
+    parser.add_argument("--skip", action="append", default=[], choices=SECTIONS,
                         help="leave a section out (repeatable)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     return parser
 
 
@@ -56,12 +64,6 @@ def environment(config: BenchConfig) -> dict:
     return env
 
 
-def _cuda_backend() -> bool:
-    from conduit_rt import native
-
-    return native.backends()["cuda"]["available"]
-
-
 def _section(name: str, errors: dict[str, str], fn: Callable[[], object]):
     """Runs one section; on an exception records it and returns None."""
     logger.info("section: %s", name)
@@ -76,35 +78,38 @@ def _section(name: str, errors: dict[str, str], fn: Callable[[], object]):
             torch.cuda.empty_cache()
 
 
-def run(config: BenchConfig, skip: list[str], command: str) -> tuple[dict, list[Target]]:
-    """Every section; returns the result dict (what the JSON holds) and the target rows."""
+def run(config: BenchConfig, skip: list[str], command: str, progress: bool = False) -> tuple[dict, list[Target]]:
+    """Every section; returns the result dict (what the JSON holds) and the target rows. ``progress``:
+    a bar over the sections on stderr."""
     start = time.perf_counter()
     torch.manual_seed(0)
     timer = Timer(config.device, config.warmup, config.repeat)
     result: dict = {"command": command, "environment": environment(config), "config": config.as_dict(),
                     "kernels": {}, "e2e": {}, "memory": {}, "errors": {}, "skipped": list(skip)}
     errors, rows = result["errors"], []
-    result["ceilings"] = ceilings.measure(timer, config.ceiling_copy_bytes, config.ceiling_matmul_n, config.dtype)
-    copy_bw = result["ceilings"]["copy"]["bytes_per_s"]
-    if "kernels" not in skip:
-        found = _section("kernels", errors, lambda: kernels.run(timer, config.kernels, config.dtype, copy_bw))
-        if found:
-            result["kernels"].update(found[0])
-            rows += found[1]
-            errors.update(found[2])
-    if "scoring" not in skip:
-        found = _section("scoring", errors, lambda: scoring.run(timer, config.kernels, config.dtype))
-        if found:
-            result["kernels"].update(found[0])
-            rows += found[1]
-            errors.update(found[2])
-    if "e2e" not in skip:
+    sections = [name for name in SECTIONS if name not in skip]
+    with tqdm(total=1 + len(sections), desc="bench", unit="section", disable=not progress) as bar:
+        bar.set_postfix_str("ceilings")
+        result["ceilings"] = ceilings.measure(timer, config.ceiling_copy_bytes, config.ceiling_matmul_n, config.dtype)
+        bar.update()
+        copy_bw = result["ceilings"]["copy"]["bytes_per_s"]
         n_keys = config.kernels.n_text_before + config.kernels.n_visual + config.kernels.n_text_queries
-        found = _section("e2e", errors, lambda: e2e.run(config.e2e, timer, config.dtype, copy_bw, n_keys))
-        if found:
-            result["e2e"], e2e_rows, result["memory"], stage_errors = found
-            rows += e2e_rows
-            errors.update(stage_errors)
+        measure = {"kernels": lambda: kernels.run(timer, config.kernels, config.dtype, copy_bw),
+                   "scoring": lambda: scoring.run(timer, config.kernels, config.dtype),
+                   "e2e": lambda: e2e.run(config.e2e, timer, config.dtype, copy_bw, n_keys)}
+        for name in sections:
+            bar.set_postfix_str(name)
+            found = _section(name, errors, measure[name])
+            bar.update()
+            if not found:
+                continue
+            if name == "e2e":  # (raw numbers, rows, peak memory per run, stage errors)
+                result["e2e"], section_rows, result["memory"], section_errors = found
+            else:  # (numbers by kernel, rows, errors)
+                numbers, section_rows, section_errors = found
+                result["kernels"].update(numbers)
+            rows += section_rows
+            errors.update(section_errors)
     if "scoring" in result["kernels"] and "scoring_prefill" in result["e2e"]:
         prefill = result["e2e"]["scoring_prefill"]
         rows.append(scoring.scoring_row(result["kernels"], prefill["seconds"], prefill["tokens"]))
@@ -115,21 +120,22 @@ def run(config: BenchConfig, skip: list[str], command: str) -> tuple[dict, list[
     return result, rows
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
+    from ..runtime import resolve_device
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op under `conduit`
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)  # progress of this long run
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("conduit bench: torch sees no CUDA device (run with --device cpu)", file=sys.stderr)
-        return 2
-    config = make_config(args.device, args.quick)
-    if config.device.type == "cuda" and not _cuda_backend():
-        print("conduit bench: the native library has no usable CUDA backend; set CONDUIT_LIB to the "
-              "libconduit.so of a CUDA build (or run with --device cpu)", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)
+    pyplot(**report.PLOTTING)  # the extras, before the run rather than after it
+    if "e2e" not in args.skip:
+        require("transformers", **synthetic.TWIN)
+    config = make_config(str(device), args.quick)
     command = "python3 -m conduit_rt.bench " + " ".join(shlex.quote(a) for a in argv)
-    result, rows = run(config, args.skip, command.strip())
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        result, rows = run(config, args.skip, command.strip(), progress=not args.quiet)
     written = report.write(args.out, result, rows)
     print(report.table(rows))
     print("wrote " + ", ".join(str(p) for p in written))

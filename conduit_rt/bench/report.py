@@ -18,10 +18,14 @@ import math
 import sys
 from pathlib import Path
 
+from ..errors import MissingExtraError
+from ..extras import pyplot
 from .breakdown import PHASES
 from .targets import ROWS, Target
 
 logger = logging.getLogger(__name__)
+
+PLOTTING = {"extra": "bench", "command": "conduit bench", "purpose": "for its plots"}  # what a missing matplotlib says
 
 PLOT_DIR = "benchmarks"
 
@@ -176,13 +180,10 @@ def _method_section() -> list[str]:
 
 def plots(plot_dir: Path, result: dict, rows: list[Target]) -> list[Path]:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        result["plots_note"] = "(matplotlib is not installed: no plots were drawn)"
-        logger.warning("matplotlib is not installed: no plots")
+        plt = pyplot(**PLOTTING)
+    except MissingExtraError as missing:
+        result["plots_note"] = f"(no plots were drawn: {missing})"
+        logger.warning("no plots: %s", missing)
         return []
     from . import plots as drawing
 

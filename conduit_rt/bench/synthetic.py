@@ -21,7 +21,12 @@ from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 
 from ..evaluation.task.tokenizer import CHAT_TEMPLATE  # LLaVA-1.5's conversation format
+from ..extras import require
 from ..model_config import TextModelConfig, VisionModelConfig
+
+# what a missing transformers says (bench/cli.py checks it before the run starts)
+TWIN = {"extra": "bench", "command": "conduit bench", "purpose": "for its end-to-end comparison",
+        "otherwise": "leave that section out with --skip e2e"}
 
 SPECIALS = ("<unk>", "<s>", "</s>")
 IMAGE_TOKEN, PAD_TOKEN = "<image>", "<pad>"
@@ -123,6 +128,7 @@ def text_request(n_words: int, vocab_size: int, seed: int) -> list[dict]:
 
 def transformers_twin(model):
     """``LlamaForCausalLM`` (SDPA) sharing ``model``'s decoder parameters, on its device."""
+    require("transformers", **TWIN)
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

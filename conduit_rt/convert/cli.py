@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
-from ..errors import ConduitError
+from ..cli import reports_errors
 from .checkpoint import convert_checkpoint
 from .gguf_output import OutputDtype
 from .registry import supported_architectures
@@ -31,18 +30,16 @@ def build_parser(prog: str = "conduit convert") -> argparse.ArgumentParser:
     return parser
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
-    """Run the converter; returns the exit status (0 ok, 1 conversion refused or failed, 2 bad usage)."""
+    """Run the converter; returns the exit status (0 ok, 1 conversion refused or failed, 2 bad usage).
+    A refusal (a ConduitError, or no such folder nor hub repo) prints one ``conduit: error:`` line."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on usage errors
         return int(exc.code or 0)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its per-file INFO lines repeat ours
-    try:
-        files = convert_checkpoint(args.src, args.outdir, dtype=args.dtype, revision=args.revision, progress=not args.quiet)
-    except (ConduitError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    files = convert_checkpoint(args.src, args.outdir, dtype=args.dtype, revision=args.revision, progress=not args.quiet)
     print(f"wrote {files.text_model}\nwrote {files.mmproj}")
     return 0

@@ -1,6 +1,6 @@
 """``conduit eval`` / ``python -m conduit_rt.evaluation``: the policy quality table.
 
-Replays document-QA sessions of the tagged-pages task (``quality/``) on a Runtime and measures every
+Replays document-QA sessions of the tagged-pages task (``evaluation/task/``) on a Runtime and measures every
 refresh policy x budget, every compression policy x keep ratio and CONDUIT + VL-Cache together
 against a cold full prefill (see ``replay`` and ``metrics``). Writes ``OUT/results.json`` (every
 number), ``OUT/table.md``, ``OUT/plot.png`` and ``OUT/quality.md`` (the docs page).
@@ -16,68 +16,79 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .. import BUNDLED_MODEL
+from ..cli import (DEVICE_HELP, fractions, names_from, non_negative_float, non_negative_int, positive_int,
+                   reports_errors)
 from ..errors import ModelFormatError
+from ..extras import pyplot
 from . import report
 from .replay import REFERENCE_KEY, build_settings
 from .shards import replay_all
 
 logger = logging.getLogger("conduit_rt.evaluation")
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "quality_model"
+DEFAULT_MODEL = BUNDLED_MODEL
 REFRESH_POLICIES = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
 COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
-GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill (issue 8)
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _names(choices: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        names = [x.strip() for x in text.split(",") if x.strip()]
-        unknown = sorted(set(names) - set(choices))
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(choices)}")
-        return names
-    return parse
+GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill for the task to tell policies apart
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conduit eval", description="refresh and compression policies side by "
-                                     "side on replayed document-QA sessions: accuracy, fidelity, cost")
+                                     "side on replayed document-QA sessions: accuracy, fidelity, cost; a progress "
+                                     "bar over the requests goes to stderr")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
                         help="the task model: a Hugging Face folder (converted on the fly), a folder holding "
                              "model.gguf + mmproj.gguf, or a model.gguf (default: the bundled quality model)")
-    parser.add_argument("--out", type=Path, default=Path("eval-out"), help="output folder (default: eval-out)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cuda[:N] or cpu")
+    parser.add_argument("--out", type=Path, default=Path("eval-out"), help="output folder (default: %(default)s)")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: %(default)s)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="weights and KV (auto: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--n", type=int, default=None, help="test requests (default: 24 on CPU, 500 on CUDA)")
-    parser.add_argument("--start", type=int, default=0, help="index of the first test request")
+    parser.add_argument("--n", type=positive_int, default=None, help="test requests (default: 24 on CPU, 500 on CUDA)")
+    parser.add_argument("--start", type=non_negative_int, default=0,
+                        help="index of the first test request (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the task seed (the model was trained with it)")
-    parser.add_argument("--pool-pages", type=int, default=4000, help="test pages to draw from (task.train's "
+    parser.add_argument("--pool-pages", type=positive_int, default=4000, help="test pages to draw from (task.train's "
                         "--eval-pages: the same seed and size give the same test requests as its metrics)")
-    parser.add_argument("--min-pages", type=int, default=1)
-    parser.add_argument("--max-pages", type=int, default=8)
+    parser.add_argument("--min-pages", type=positive_int, default=1, help="fewest pages in a request (default: %(default)s)")
+    parser.add_argument("--max-pages", type=positive_int, default=8, help="most pages in a request (default: %(default)s)")
     parser.add_argument("--seen", choices=("sessions", "retagged", "isolated"), default="sessions",
                         help="where the pages were seen before (see conduit_rt/evaluation/sessions.py)")
-    parser.add_argument("--refresh-policies", type=_names(REFRESH_POLICIES), default=list(REFRESH_POLICIES))
-    parser.add_argument("--budgets", type=_floats, default=[0.0, 0.05, 0.1, 0.2], help="refresh budgets r")
-    parser.add_argument("--compress-policies", type=_names(COMPRESS_POLICIES), default=list(COMPRESS_POLICIES))
-    parser.add_argument("--keeps", type=_floats, default=[0.05, 0.1, 0.2, 0.4], help="compression keep ratios α")
-    parser.add_argument("--together", type=_floats, default=[0.1, 0.1],
-                        help="CONDUIT budget,VL-Cache keep of the combined row (empty: no such row)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (two codes are 6, then EOS)")
-    parser.add_argument("--time-limit", type=float, default=None,
+    parser.add_argument("--refresh-policies", type=names_from(REFRESH_POLICIES), default=list(REFRESH_POLICIES),
+                        metavar="P,P,...", help="refresh policies to measure, comma-separated, from "
+                        f"{', '.join(REFRESH_POLICIES)} (default: all)")
+    parser.add_argument("--budgets", type=fractions, default=[0.0, 0.05, 0.1, 0.2], metavar="R,R,...",
+                        help="refresh budgets r in [0, 1], comma-separated (default: 0,0.05,0.1,0.2)")
+    parser.add_argument("--compress-policies", type=names_from(COMPRESS_POLICIES), default=list(COMPRESS_POLICIES),
+                        metavar="P,P,...", help="compression policies to measure, comma-separated, from "
+                        f"{', '.join(COMPRESS_POLICIES)} (default: all)")
+    parser.add_argument("--keeps", type=fractions, default=[0.05, 0.1, 0.2, 0.4], metavar="A,A,...",
+                        help="compression keep ratios α in [0, 1], comma-separated (default: 0.05,0.1,0.2,0.4)")
+    parser.add_argument("--together", type=fractions, default=[0.1, 0.1], metavar="R,A",
+                        help="CONDUIT budget,VL-Cache keep of the combined row (empty: no such row; default: 0.1,0.1)")
+    parser.add_argument("--max-tokens", type=positive_int, default=8,
+                        help="answer tokens (two codes are 6, then EOS; default: %(default)s)")
+    parser.add_argument("--time-limit", type=non_negative_float, default=None,
                         help="seconds after which no new session starts (the table covers those replayed)")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=positive_int, default=1,
                         help="processes replaying requests side by side, each with its own Runtime on the device")
-    parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV arena size")
-    parser.add_argument("--image-cache-mib", type=int, default=64, help="the image-KV store's share of it")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=256, help="KV arena size (default: %(default)s)")
+    parser.add_argument("--image-cache-mib", type=positive_int, default=64,
+                        help="the image-KV store's share of it (default: %(default)s)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     return parser
+
+
+def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors that involve two options (argparse's format, exit status 2)."""
+    if args.min_pages > args.max_pages:
+        parser.error(f"--min-pages {args.min_pages} is above --max-pages {args.max_pages}")
+    if len(args.together) not in (0, 2):
+        parser.error(f"--together takes two numbers (budget,keep) or none, got {len(args.together)}")
+    if args.image_cache_mib > args.kv_cache_mib:
+        parser.error(f"--image-cache-mib {args.image_cache_mib} is above --kv-cache-mib {args.kv_cache_mib}")
 
 
 def resolve_model(path: Path, workdir: Path) -> Path:
@@ -87,12 +98,9 @@ def resolve_model(path: Path, workdir: Path) -> Path:
     if (path / "model.gguf").is_file():
         return path / "model.gguf"
     if (path / "config.json").is_file():
-        from conduit_rt.convert.cli import main as convert_main
+        from conduit_rt.convert.checkpoint import convert_checkpoint
 
-        outdir = workdir / "gguf"
-        if convert_main([str(path), "--outdir", str(outdir), "--dtype", "f32", "--quiet"]) != 0:
-            raise ModelFormatError(f"could not convert {path} (see the message above)")
-        return outdir / "model.gguf"
+        return convert_checkpoint(path, workdir / "gguf", dtype="f32", progress=False).text_model
     raise ModelFormatError(f"{path} is neither a model.gguf, a folder holding one, nor a Hugging Face folder "
                            "(config.json); train one with `python -m conduit_rt.evaluation.task.train --out DIR` and pass DIR/model")
 
@@ -129,35 +137,35 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from ..runtime import resolve_device
 
-    try:
-        import conduit_rt.evaluation.task  # noqa: F401
-    except ImportError as error:
-        raise SystemExit("conduit eval needs the `quality` package (the task generator), installed with conduit-rt "
-                         f"or importable from a source checkout ({error})") from None
+    pyplot(**report.PLOTTING)  # before minutes of replay, not after
+    device = resolve_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model, args.out)
-    device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     n = args.n if args.n is not None else (500 if device.type == "cuda" else 24)
     settings = build_settings(args.refresh_policies, args.budgets, args.compress_policies, args.keeps,
-                              tuple(args.together) if len(args.together) == 2 else None)
+                              tuple(args.together) if args.together else None)
     logger.info("%d settings x %d requests on %s (%s), %d worker(s)", len(settings), n, device, dtype, args.workers)
     indices = list(range(args.start, args.start + n))
-    scores, seconds = replay_all(args, model_path, settings, indices, device, dtype)
+    scores, seconds = replay_all(args, model_path, settings, indices, device, dtype, progress=not args.quiet)
     results = collect(args, settings, scores, seconds, device, dtype, model_path, argv)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     report.write_report(results, args.out)
     return results
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_options(parser, args)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
-    results = run(args, argv)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        results = run(args, argv)
     print(report.tables_markdown(results).split("### Every setting")[0].rstrip())
     print("\n".join(report.headline(results)))
     print(f"wrote {args.out / 'results.json'}, table.md, plot.png, quality.md")

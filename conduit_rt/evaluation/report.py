@@ -12,6 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+from ..extras import pyplot
+
+PLOTTING = {"extra": "eval", "command": "conduit eval", "purpose": "for its plot"}  # what a missing matplotlib says
 REFRESH_ORDER = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
 COMPRESS_ORDER = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
 HEADLINE_RATIO = 0.1
@@ -140,10 +143,7 @@ def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
 
 def plot(results: dict, path: Path) -> None:
     """Accuracy vs refresh budget per refresh policy (left) and vs keep ratio per compression policy (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(**PLOTTING)
 
     full = 100 * results["checks"]["full_accuracy"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .metrics import SettingScores
 from .replay import Replay, ReplayRequest, Setting, run_requests
@@ -39,14 +40,15 @@ def split_requests(args: argparse.Namespace, indices: list[int]) -> list[ReplayR
 
 
 def replay_shard(args: argparse.Namespace, model_path: Path, settings: list[Setting], indices: list[int],
-                 device: torch.device, dtype: torch.dtype) -> dict[str, SettingScores]:
-    """One process's share: a Runtime of its own, the requests ``indices``, the scores by setting key."""
+                 device: torch.device, dtype: torch.dtype, progress: str | None = None) -> dict[str, SettingScores]:
+    """One process's share: a Runtime of its own, the requests ``indices``, the scores by setting key.
+    ``progress``: the label of a progress bar over the requests on stderr (None: no bar)."""
     from ..runtime import Runtime
 
     runtime = Runtime(model_path, device=device, dtype=dtype, kv_cache_bytes=args.kv_cache_mib << 20,
                       image_cache_bytes=args.image_cache_mib << 20, prefix_cache_entries=0)
-    scores, _ = run_requests(Replay(runtime, settings, args.max_tokens), split_requests(args, indices),
-                             args.time_limit)
+    with tqdm(split_requests(args, indices), desc=progress, unit="request", disable=progress is None) as requests:
+        scores, _ = run_requests(Replay(runtime, settings, args.max_tokens), requests, args.time_limit)
     return scores
 
 
@@ -57,19 +59,23 @@ def _start_worker(threads: int, level: int) -> None:
 
 
 def replay_all(args: argparse.Namespace, model_path: Path, settings: list[Setting], indices: list[int],
-               device: torch.device, dtype: torch.dtype) -> tuple[dict[str, SettingScores], float]:
-    """Scores of every setting over ``indices`` (in ``args.workers`` processes) and the wall seconds."""
+               device: torch.device, dtype: torch.dtype, progress: bool = False) -> tuple[dict[str, SettingScores], float]:
+    """Scores of every setting over ``indices`` (in ``args.workers`` processes) and the wall seconds.
+    ``progress``: a bar over the requests on stderr (with several workers, over the first one's share,
+    which keeps pace with the others)."""
     start = time.perf_counter()
     workers = max(1, min(args.workers, len(indices)))
     if workers == 1:
-        return replay_shard(args, model_path, settings, indices, device, dtype), time.perf_counter() - start
+        label = "eval" if progress else None
+        return replay_shard(args, model_path, settings, indices, device, dtype, label), time.perf_counter() - start
+    labels = [f"eval (worker 1 of {workers})" if progress else None] + [None] * (workers - 1)
     shards = [indices[w::workers] for w in range(workers)]
     threads = max(1, (os.cpu_count() or workers) // workers)
     level = logging.getLogger("conduit_rt.evaluation").getEffectiveLevel()
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
                              initargs=(threads, level)) as pool:
-        parts = list(pool.map(replay_shard, *zip(*[(args, model_path, settings, shard, device, dtype)
-                                                   for shard in shards])))
+        parts = list(pool.map(replay_shard, *zip(*[(args, model_path, settings, shard, device, dtype, label)
+                                                   for shard, label in zip(shards, labels)])))
     scores = {setting.key: SettingScores() for setting in settings}
     for part in parts:
         for key, value in part.items():
