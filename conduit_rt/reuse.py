@@ -19,15 +19,17 @@ trailing segment), so that r = 1 reproduces a cold full prefill exactly.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from .arena import Sequence
 from .capture import PassCapture
 from .chat import ImageSlot
 from .image_cache import CachedImage
-from .models.base import ForwardBatch
+from .models.base import ForwardBatch, VisionLanguageModel
 from .refresh import LayerObserver, RefreshOptions, RefreshPolicy, VisualTokens
 from .results import GenerationStats
 from .selection import budget_tokens
@@ -68,19 +70,19 @@ class ReusePass:
     """One request's prefill (see the module docstring). ``embed(positions)`` gives the input
     embeddings [n, hidden] of prompt positions (image positions from the cached image features)."""
 
-    model: object
-    seq: object
+    model: VisionLanguageModel
+    seq: Sequence
     rope: torch.Tensor                         # int32 [n] or [3, n], CPU: the prompt's RoPE positions
     n_prompt: int
     reused: int
     restored: list[RestoredImage]
-    embed: object
+    embed: Callable[[list[int]], torch.Tensor]
     query_positions: list[int]
     store: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> prompt positions to store
     observe: list[int] = field(default_factory=list)  # further positions whose final q is kept (compression)
     stats: ReuseStats = field(default_factory=ReuseStats)
     # runs a pass (model.forward's contract); PrefillGraphs.forward replays small passes' dense work
-    forward: object = None
+    forward: Callable | None = None
 
     def run(self, policy: RefreshPolicy | None, ratio: float, options: RefreshOptions) -> tuple[torch.Tensor, PassCapture]:
         """Returns the last prompt token's logits [vocab] and the passes' capture."""
@@ -174,8 +176,6 @@ class _Context:
             self._scores_charged = True
 
     def queries(self, layer: int) -> tuple[torch.Tensor, list[int]]:
-        """q of the score's query rows at ``layer`` as the text pass computed them: ([n, n_heads,
-        head_dim], their positions)."""
         return self.capture.queries(layer, self.run.query_positions)
 
     def text_pass_logits(self) -> torch.Tensor:

@@ -105,6 +105,10 @@ class RefreshContext(Protocol):
         their KV: the last prompt token's logits, float32 [vocab]. Nothing selected: the text
         pass's logits (a recompute would reproduce them)."""
 
+    def queries(self, layer: int) -> tuple[torch.Tensor, list[int]]:
+        """q of the score's query rows at ``layer`` as the text pass computed them: ([n, n_heads,
+        head_dim] after RoPE, their positions)."""
+
     def text_pass_logits(self) -> torch.Tensor:
         """The last prompt token's logits from the text pass, float32 [vocab]."""
 
