@@ -1,4 +1,4 @@
-"""KV compression for decoding (METHODS.md §2): after prefill, keep per layer a budget of the prompt's
+"""KV compression for decoding (docs/methods.md §2): after prefill, keep per layer a budget of the prompt's
 KV and give the rest back to the arena. Every policy sees the same ``PromptStats`` and keep ratio α
 and returns, per layer, the sorted slots to keep:
 
@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from .errors import RequestError
-from .refresh import apportion, top_k_indices
+from .results import GenerationStats
+from .selection import apportion, keep_budget, top_k_indices
 
 
 @dataclass(frozen=True, slots=True)
 class CompressOptions:
-    """Knobs of compression (defaults from METHODS.md §2)."""
+    """Knobs of compression (defaults from docs/methods.md §2)."""
 
     threshold: float = 0.01           # VL-Cache: entries below threshold x row max count as zero
     window: int = 32                  # SnapKV/PyramidKV observation window (and kept window)
@@ -91,12 +92,6 @@ class PromptStats:
         return self._stats(layer, list(range(self.m)))[0]
 
 
-def total_budget(ratio: float, m: int, n_layers: int) -> int:
-    if not 0.0 <= ratio <= 1.0:
-        raise RequestError(f"keep must be in [0, 1], got {ratio}")
-    return min(m * n_layers, round(ratio * m * n_layers))
-
-
 def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
     """The ``forced`` slots plus the best-scoring others, k in all (sorted; ties to the lower slot)."""
     keep = sorted(set(forced))[:k]
@@ -111,11 +106,17 @@ def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
 
 
 class CompressionPolicy:
+    """Base: a named rule keeping, per layer, a budget of the prompt's slots."""
+
     name = ""
-    observe_all = False  # needs the q of every prompt position (H2O)
+
+    def observed_positions(self, n_prompt: int, post_vision: list[int], options: CompressOptions) -> list[int]:
+        """Prompt positions whose final q the prefill must keep for ``keep`` (sorted): P and the
+        observation window."""
+        return sorted(set(post_vision) | set(range(max(0, n_prompt - options.window), n_prompt)))
 
     def layer_budgets(self, stats: PromptStats, ratio: float) -> list[int]:
-        total = total_budget(ratio, stats.m, stats.n_layers)
+        total = keep_budget(ratio, stats.m, stats.n_layers)
         return apportion([1.0] * stats.n_layers, total, [stats.m] * stats.n_layers)
 
     def keep(self, stats: PromptStats, ratio: float) -> list[list[int]]:
@@ -151,7 +152,9 @@ class StreamingLLM(CompressionPolicy):
 
 class H2O(CompressionPolicy):
     name = "h2o"
-    observe_all = True
+
+    def observed_positions(self, n_prompt, post_vision, options):
+        return list(range(n_prompt))  # heavy hitters: the attention of every prompt query
 
     def select(self, stats, layer, k):
         recent = list(range(stats.m - k // 2, stats.m))
@@ -173,7 +176,7 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
 
     def layer_budgets(self, stats, ratio):
-        total, n_layers, beta = total_budget(ratio, stats.m, stats.n_layers), stats.n_layers, stats.options.pyramid_beta
+        total, n_layers, beta = keep_budget(ratio, stats.m, stats.n_layers), stats.n_layers, stats.options.pyramid_beta
         top, bottom = 1.0 / beta, 2.0 - 1.0 / beta  # in units of the mean budget k
         weights = [bottom + (top - bottom) * layer / max(1, n_layers - 1) for layer in range(n_layers)]
         return apportion(weights, total, [stats.m] * n_layers)
@@ -187,7 +190,7 @@ class VLCache(CompressionPolicy):
         densities = [stats.density(layer) for layer in range(n_layers)]
         total_density = sum(densities) or 1.0
         betas = [min(1.0, max(stats.options.min_layer_ratio, d / total_density * ratio * n_layers)) for d in densities]
-        return apportion(betas, total_budget(ratio, m, n_layers), [m] * n_layers)
+        return apportion(betas, keep_budget(ratio, m, n_layers), [m] * n_layers)
 
     def select(self, stats, layer, k):
         return top_slots(stats.post_vision_mass(layer), k, stats.post_vision)
@@ -234,3 +237,20 @@ class Recompressor:
             self.seq.compact(layer, top_slots(mass.cpu(), max(budget, len(forced)), forced))
         self.q.clear()
         self.recent = []
+
+
+def compress_prompt(policy: CompressionPolicy, keep: float, options: CompressOptions, seq, config, queries,
+                    post_vision: list[int], stats: GenerationStats) -> Recompressor | None:
+    """Keeps ``keep`` of the prefilled prompt's KV per layer as ``policy`` chooses (compaction gives
+    the rest back to the arena) and records the sizes in ``stats``. ``queries(layer, positions)``
+    gives the q the prefill computed (see ``PromptStats``). Returns the decode steps' re-compressor
+    when ``options.recompress_every`` asks for one."""
+    prompt = PromptStats(seq, config.n_layers, config.n_heads, config.attention_scale, queries, post_vision, options)
+    stats.kv_bytes_before_compress = seq.nbytes
+    kept = policy.keep(prompt, keep)
+    for layer, slots in enumerate(kept):
+        seq.compact(layer, slots)
+    stats.kv_bytes_after_compress = seq.nbytes
+    stats.kept_tokens_per_layer = [len(slots) for slots in kept]
+    every = options.recompress_every
+    return Recompressor(seq, stats.kept_tokens_per_layer, every, post_vision, config.attention_scale) if every else None

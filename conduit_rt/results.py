@@ -1,7 +1,7 @@
 """What a request returns: the text, its tokens, optional per-step logits and typed statistics."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,17 +45,38 @@ class GenerationResult:
 
 
 class TextStream:
-    """Iterate to get text pieces as they decode; ``result`` is set once the stream is exhausted."""
+    """Text pieces of an answer as they decode (iterate it); ``result`` once the stream is exhausted.
 
-    def __init__(self, pieces: Iterator[str], holder: list) -> None:
+    The stream owns the generator that decodes: it yields the pieces and returns the
+    ``GenerationResult``. ``close`` ends the answer early (the request's sequence is given back as
+    for a finished one)."""
+
+    def __init__(self, pieces: Generator[str, None, GenerationResult]) -> None:
         self._pieces = pieces
-        self._holder = holder
+        self._result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        return self._pieces
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._pieces)
+        except StopIteration as done:
+            if self._result is None:
+                self._result = done.value
+            raise
+
+    def close(self) -> None:
+        self._pieces.close()
+
+    def finish(self) -> GenerationResult:
+        """Decodes the rest of the answer; returns the result."""
+        for _ in self:
+            pass
+        return self.result
 
     @property
     def result(self) -> GenerationResult:
-        if not self._holder:
+        if self._result is None:
             raise RuntimeError("the stream has not finished yet; iterate it to the end first")
-        return self._holder[0]
+        return self._result

@@ -30,14 +30,6 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    @classmethod
-    def build(cls, max_tokens: int, temperature: float, top_p: float, seed: int | None,
-              stop: str | list[str] | tuple[str, ...] | None) -> "SamplingParams":
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise RequestError("stop must be a non-empty string or a list of them")
-        return cls(int(max_tokens), float(temperature), float(top_p), seed, stops)
-
 
 class Sampler:
     """Draws tokens for one request; holds its own generator so that a seed is reproducible."""

@@ -24,7 +24,10 @@ class Recording:
     """Wraps a policy: keeps the prompt's KV, positions and the q it was given, and the kept slots."""
 
     def __init__(self, policy) -> None:
-        self.policy, self.name, self.observe_all = policy, policy.name, policy.observe_all
+        self.policy, self.name = policy, policy.name
+
+    def observed_positions(self, n_prompt, post_vision, options):
+        return self.policy.observed_positions(n_prompt, post_vision, options)
 
     def keep(self, stats, ratio):
         n_layers = stats.n_layers

@@ -10,7 +10,8 @@ from PIL import Image
 
 from conduit_rt import Runtime, reuse
 from conduit_rt.errors import RequestError
-from conduit_rt.refresh import POLICIES, Conduit, budget_tokens
+from conduit_rt.refresh import POLICIES, Conduit
+from conduit_rt.selection import budget_tokens
 from conduit_rt.convert.cli import main as convert_main
 from tests.fixtures.tiny_llava import NUM_IMAGE_TOKENS, build_tiny_llava
 
@@ -74,6 +75,26 @@ def test_refresh_everything_equals_a_cold_full_prefill(model_dir, warm, policy, 
     assert (logits - expected).abs().max() <= TOLERANCE[runtime.device.type] * expected.abs().max()
 
 
+def test_a_policy_that_only_selects_recomputes_its_choice_in_one_pass(model_dir, warm, monkeypatch):
+    """A new policy needs only ``select``: the base class scores (if asked), selects and recomputes;
+    choosing every token equals a cold full prefill, as ``full`` does."""
+    from conduit_rt.refresh import RefreshPolicy
+
+    class Everything(RefreshPolicy):
+        name = "everything"
+
+        def select(self, tokens, budget, scores, options):
+            return torch.arange(tokens.n)
+
+    monkeypatch.setitem(POLICIES, "everything", Everything())
+    runtime, pics = warm
+    messages = request("Yet another order:", [pics[1], pics[2], pics[0]], "Which?")
+    logits, stats = first_logits(runtime, messages, refresh="everything", refresh_budget=0.1)
+    assert stats.refreshed_tokens == stats.visual_tokens == 3 * NUM_IMAGE_TOKENS
+    expected = cold_logits(model_dir, messages, runtime.device.type)
+    assert (logits - expected).abs().max() <= TOLERANCE[runtime.device.type] * expected.abs().max()
+
+
 def test_recompute_rows_embedded_after_the_selection_give_the_same_logits(warm, monkeypatch):
     """Past MAX_CANDIDATES positions the recompute's rows are embedded after the selection instead of
     gathered from the candidates embedded while the scoring ran: the same numbers."""
@@ -116,14 +137,17 @@ def test_every_policy_refreshes_exactly_its_budget(model_dir, warm, policy, rati
 class RecordingConduit(Conduit):
     """The conduit policy, keeping what it saw so that a reference can redo the selection."""
 
+    def refresh(self, context):
+        config, seq = context.config, context.seq
+        layers = context.options.layers or range(config.n_layers)
+        self.seen = dict(tokens=context.tokens, budget=context.budget, options=context.options,
+                         query_positions=context.queries(layers[0])[1],
+                         q={layer: context.queries(layer)[0].clone() for layer in layers},
+                         kv=[seq.read_kv(layer) for layer in range(config.n_layers)],
+                         positions=seq.positions(0).clone(), n_heads=config.n_heads, scale=config.attention_scale)
+        return super().refresh(context)
+
     def select(self, tokens, budget, scores, options):
-        run = scores.run
-        self.seen = dict(tokens=tokens, budget=budget, options=options, query_positions=list(run.query_positions),
-                         q={layer: scores.capture.queries(layer, run.query_positions)[0].clone()
-                            for layer in scores.layers},
-                         kv=[run.seq.read_kv(layer) for layer in range(run.model.config.n_layers)],
-                         positions=run.seq.positions(0).clone(), n_heads=run.model.config.n_heads,
-                         scale=run.model.config.attention_scale)
         self.chosen = super().select(tokens, budget, scores, options)
         return self.chosen
 

@@ -19,7 +19,8 @@ LAYERS = [
     (3, "model and policies", ["model_config", "model_file", "preprocess", "tokenizer", "chat", "sampling",
                                "models", "selection", "refresh", "compress", "image_cache", "prefix_cache",
                                "decode_graph", "prefill_graph", "convert"]),
-    (4, "runtime", ["runtime", "reuse", "session", "request", "options", "planning", "decoding", "prefill"]),
+    (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",
+                    "prefill"]),
     (5, "applications", ["cli", "demo", "evaluation", "bench", "convert.cli", "convert.__main__"]),
 ]
 

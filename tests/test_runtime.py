@@ -81,7 +81,7 @@ def test_greedy_tokens_and_logits_equal_transformers(runtime, hf, n_images):
     assert (result.logits - expected_logits[:steps]).abs().max() <= 1e-4 * scale
     assert result.stats.prompt_tokens == result.stats.prefill_tokens > n_images * 25
     assert result.stats.images == n_images and result.stats.kv_bytes > 0
-    assert runtime.arena.stats().n_seqs == len(runtime.prefix_cache)  # kept for exact-prefix reuse, nothing else
+    assert runtime.arena.stats().n_seqs == len(runtime.planner.prefix_cache)  # kept for exact-prefix reuse, nothing else
 
 
 def test_stream_pieces_join_to_the_generated_text(runtime):
@@ -114,7 +114,7 @@ def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
     torch.testing.assert_close(second.logits, whole.logits, atol=1e-4, rtol=1e-4)
     assert first.text == session.history[1]["content"]
     session.close()
-    runtime.prefix_cache.clear()
+    runtime.planner.prefix_cache.clear()
     stats = runtime.arena.stats()
     assert stats.n_seqs == 0 and stats.n_blocks_used == stats.n_blocks_image  # nothing leaked
 
@@ -133,7 +133,7 @@ def test_a_session_keeps_what_it_decoded_however_the_answer_ends(runtime, monkey
         if free.tokens[4] in free.tokens[:4]:
             pytest.skip("the random model repeated its fifth token earlier")
         eos = frozenset({free.tokens[4]})
-        monkeypatch.setattr(runtime, "assets", dataclasses.replace(runtime.assets, eos_token_ids=eos))
+        monkeypatch.setattr(runtime.model, "assets", dataclasses.replace(runtime.assets, eos_token_ids=eos))
     if finish == "stop":
         stop = runtime.assets.tokenizer.decode(free.tokens[4:5])
         if not stop.strip() or stop in runtime.assets.tokenizer.decode(free.tokens[:4]):
@@ -143,13 +143,13 @@ def test_a_session_keeps_what_it_decoded_however_the_answer_ends(runtime, monkey
     first = session.send(question, **kwargs)
     assert first.stats.finish_reason == finish
     fed_back = {"length": 7, "stop": 4, "eos": 4}[finish]  # tokens whose step ran (the last sampled one never)
-    assert session._turn.seq.n_tokens(0) == first.stats.prompt_tokens + fed_back
+    assert session.held.seq.n_tokens(0) == first.stats.prompt_tokens + fed_back
     second = session.send("And the colours?", max_tokens=6, return_logits=True)
     whole = runtime.generate(session.history[:-1], max_tokens=6, return_logits=True)
     assert second.tokens == whole.tokens
     torch.testing.assert_close(second.logits, whole.logits, atol=1e-4, rtol=1e-4)
     session.close()
-    runtime.prefix_cache.clear()
+    runtime.planner.prefix_cache.clear()
     stats = runtime.arena.stats()
     assert stats.n_seqs == 0 and stats.n_blocks_used == stats.n_blocks_image  # nothing leaked
 
@@ -174,8 +174,44 @@ def test_sampling_with_a_seed_is_repeatable(runtime):
 def test_bad_requests_raise_request_errors_and_the_runtime_stays_usable(runtime, bad, match):
     with pytest.raises(RequestError, match=match):
         runtime.generate(bad, max_tokens=4, top_p=0.0 if match == "top_p" else 1.0)
-    assert runtime.arena.stats().n_seqs == len(runtime.prefix_cache)
+    assert runtime.arena.stats().n_seqs == len(runtime.planner.prefix_cache)
     assert runtime.generate([user("Hi", [])], max_tokens=2).stats.decode_tokens <= 2
+
+
+def test_an_options_object_answers_as_its_keywords_and_bad_options_are_request_errors(runtime):
+    from conduit_rt.options import GenerationOptions
+
+    def answer(*args, **kwargs):  # no exact prefix of an earlier request: every answer computed alike
+        runtime.planner.prefix_cache.clear()
+        return runtime.generate(messages, *args, **kwargs)
+
+    messages = [user("Tell me more.", images(1, seed=6))]
+    options = GenerationOptions(max_tokens=6, temperature=0.8, top_p=0.9, seed=2, stop="zz", return_logits=True)
+    by_object = answer(options)
+    by_keywords = answer(max_tokens=6, temperature=0.8, top_p=0.9, seed=2, stop=["zz"], return_logits=True)
+    overridden = answer(options, max_tokens=3)
+    assert by_object.tokens == by_keywords.tokens and torch.equal(by_object.logits, by_keywords.logits)
+    assert overridden.tokens == by_object.tokens[:3] and options.max_tokens == 6 and options.stop == ("zz",)
+    with pytest.raises(RequestError, match="max_tokens") as unknown:
+        runtime.generate(messages, max_token=4)
+    assert "max_token" in str(unknown.value) and "refresh_budget" in str(unknown.value)
+    for bad in ({"refresh": "sideways"}, {"compress": "zip"}, {"refresh_budget": 1.5}, {"keep": -0.1},
+                {"max_tokens": "many"}, {"refresh_options": {"lamda": 1.0}}, {"compress_options": 3}, {"stop": [""]}):
+        with pytest.raises(RequestError):
+            GenerationOptions(**bad)
+    assert runtime.arena.stats().n_seqs == len(runtime.planner.prefix_cache)
+
+
+def test_a_stream_closed_early_gives_its_sequence_back(runtime):
+    messages = [user("Describe it at length.", images(1, seed=8))]
+    stream = runtime.stream(messages, max_tokens=12)
+    next(stream)
+    stream.close()
+    with pytest.raises(RuntimeError, match="not finished"):
+        stream.result
+    assert runtime.arena.stats().n_seqs == len(runtime.planner.prefix_cache)
+    runtime.planner.prefix_cache.clear()
+    assert runtime.arena.stats().n_seqs == 0
 
 
 def test_one_lazily_opened_image_shown_twice(runtime):
@@ -206,10 +242,11 @@ def test_recurring_image_files_are_decoded_once_and_answer_as_their_pixels(runti
     decodes = []
     real_load = preprocess.load_image
     monkeypatch.setattr(preprocess, "load_image", lambda image, name=None: decodes.append(name) or real_load(image, name))
-    runtime.decoded_images = type(runtime.decoded_images)(runtime.decoded_images.max_bytes)
+    requests = runtime.requests  # reads the messages, with the decoded-image cache
+    requests.decoded_images = type(requests.decoded_images)(requests.decoded_images.max_bytes)
 
     def answer(parts):  # no exact prefix of an earlier request: every answer computed alike
-        runtime.prefix_cache.clear()
+        runtime.planner.prefix_cache.clear()
         return runtime.generate([user("Which?", parts)], max_tokens=4, return_logits=True)
 
     want = answer(pictures)
@@ -218,18 +255,18 @@ def test_recurring_image_files_are_decoded_once_and_answer_as_their_pixels(runti
     assert sorted(decodes) == sorted(str(p) for p in paths)  # decoded from the files, named by them
     decodes.clear()
     again = answer([paths[0], paths[1].read_bytes()])
-    assert decodes == [] and len(runtime.decoded_images) == 2
+    assert decodes == [] and len(requests.decoded_images) == 2
     for got in (first, again):
         assert got.tokens == want.tokens and torch.equal(got.logits, want.logits)
     pictures[1].transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(paths[1])  # new content, same path
     changed = answer(paths)
-    assert decodes == [str(paths[1])] and len(runtime.decoded_images) == 3
+    assert decodes == [str(paths[1])] and len(requests.decoded_images) == 3
     assert not torch.equal(changed.logits, want.logits)
     # one file as three distinct objects of one request (decoded by pool threads at once): one answer
     decodes.clear()
-    runtime.decoded_images = type(runtime.decoded_images)(runtime.decoded_images.max_bytes)
+    requests.decoded_images = type(requests.decoded_images)(requests.decoded_images.max_bytes)
     trio = answer([str(paths[0]), paths[0], paths[0].read_bytes()])
-    assert len(runtime.decoded_images) == 1 and 1 <= len(decodes) <= 3
+    assert len(requests.decoded_images) == 1 and 1 <= len(decodes) <= 3
     assert trio.tokens == answer([pictures[0]] * 3).tokens
     with pytest.raises(RequestError, match="not found"):
         runtime.generate([user("Which?", [tmp_path / "gone.png"])], max_tokens=2)
@@ -263,8 +300,8 @@ def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, c
 
     eager, graphed = runtime(False), runtime(True)
     if capacity is not None:
-        graphed.graphed_decoder.close()
-        graphed.graphed_decoder = GraphedDecoder(graphed.model, graphed.arena, capacity=capacity)
+        graphed.decoder.graphed.close()
+        graphed.decoder.graphed = GraphedDecoder(graphed.model, graphed.arena, capacity=capacity)
     for _ in range(2):  # the second request reuses the captured graph with another sequence
         want = eager.generate(messages, max_tokens=max_tokens, return_logits=True)
         got = graphed.generate(messages, max_tokens=max_tokens, return_logits=True)
@@ -272,10 +309,10 @@ def graphed_and_eager_agree(model_path, messages: list[dict], max_tokens: int, c
         scale = want.logits.abs().max()
         assert (got.logits - want.logits).abs().max() <= 1e-4 * scale
         messages = messages + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "Go on."}]
-    decoder = graphed.graphed_decoder
+    decoder = graphed.decoder.graphed
     assert decoder.steps > 10 and decoder.replays == decoder.steps  # every step replayed the graph
-    assert graphed.prefill_graphs.replayed_passes >= 2  # the prompts' passes replayed their dense work
-    assert eager.graphed_decoder is None
+    assert graphed.planner.prefill_graphs.replayed_passes >= 2  # the prompts' passes replayed their dense work
+    assert eager.decoder.graphed is None
 
 
 @pytest.mark.gpu

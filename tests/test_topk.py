@@ -11,7 +11,7 @@ import torch
 
 from conduit_rt import topk
 from conduit_rt.errors import InvalidArgumentError
-from conduit_rt.refresh import top_k_indices
+from conduit_rt.selection import top_k_indices
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from conduit_rt import arena, prefill_graph, refresh, reuse, runtime, sampling, topk
+from conduit_rt import arena, capture, decoding, planning, prefill_graph, refresh, request, reuse, sampling, topk
 
 from conduit_rt.bench.config import E2ESizes
 from conduit_rt.bench.e2e import EndToEnd
@@ -153,10 +153,10 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 # (owner, method) of the request path labelled in a timeline without --stacks
-LABELLED = [(runtime.Runtime, "_request"), (runtime.Runtime, "_plan_images"), (runtime.Runtime, "_embeddings"),
-            (runtime.Runtime, "_decode"), (reuse.ReusePass, "run"), (reuse.ReusePass, "_restore"),
+LABELLED = [(request.RequestReader, "read"), (planning.Planner, "plan"), (request.RequestReader, "embed"),
+            (decoding.Decoder, "run"), (reuse.ReusePass, "run"), (reuse.ReusePass, "_restore"),
             (reuse.ReusePass, "_forward"), (reuse.ReusePass, "_pass"), (reuse.ReusePass, "_batch"),
-            (reuse.PassCapture, "on_layer"), (reuse.PassCapture, "queries"), (reuse._PassScores, "attention"),
+            (capture.PassCapture, "on_layer"), (capture.PassCapture, "queries"), (reuse._PassScores, "attention"),
             (reuse._PassScores, "value_norms"), (refresh.Conduit, "select"), (refresh, "amplify"),
             (topk, "top_k_indices"), (arena.Sequence, "append"), (arena.Sequence, "write_kv"),
             (arena.Sequence, "attention"), (arena.Sequence, "attention_stats"), (arena.Sequence, "restore_images"),

@@ -61,7 +61,7 @@ class EndToEnd:
     # -- plumbing -------------------------------------------------------------------------------
     def request(self, label: str, messages: list[dict], **kwargs):
         """One request with the exact-prefix cache cleared; records its peak memory under ``label``."""
-        self.runtime.prefix_cache.clear()
+        self.runtime.planner.prefix_cache.clear()
         with PeakMemory(self.device, self.runtime.arena.kv_bytes) as peak:
             result = self.runtime.generate(messages, **kwargs)
         self.memory[label] = peak.as_dict() | {"request_kv_bytes": result.stats.kv_bytes}
@@ -75,8 +75,9 @@ class EndToEnd:
             key = image_key(to_rgb_array(image), a.preprocess.as_dict(), a.vision_model_id)
             if self.runtime.arena.has_image(key):
                 self.runtime.arena.evict_image(key)
-        self.runtime.embeddings = EmbeddingCache(self.runtime.embeddings.max_bytes)
-        self.runtime.decoded_images = DecodedImages(self.runtime.decoded_images.max_bytes)
+        requests = self.runtime.requests
+        requests.embeddings = EmbeddingCache(requests.embeddings.max_bytes)
+        requests.decoded_images = DecodedImages(requests.decoded_images.max_bytes)
 
     def ttft(self, label: str, messages: list[dict], repeats: int, cold: bool = False, **kwargs) -> dict:
         samples, result = [], None
@@ -154,7 +155,7 @@ class EndToEnd:
             finally:
                 seq.free()
 
-        self.runtime.prefix_cache.clear()
+        self.runtime.planner.prefix_cache.clear()
         timing = self.timer.wall_time(prefill, repeat=max(1, min(3, self.s.repeats)), warmup=1)
         return {"tokens": n_tokens, "seconds": timing.median_s, "time": timing.as_dict()}
 
@@ -185,9 +186,9 @@ def run(sizes: E2ESizes, timer: Timer, dtype: torch.dtype, copy_bytes_per_s: flo
               ("scoring_prefill", lambda: e2e.decoder_prefill(scoring_prefill_tokens)),
               ("decode", lambda: decode_runs(e2e, twin)), ("long", lambda: vlcache(e2e))]
     try:
-        found, errors = run_stages("e2e", stages, before_next=e2e.runtime.prefix_cache.clear)
+        found, errors = run_stages("e2e", stages, before_next=e2e.runtime.planner.prefix_cache.clear)
     finally:
-        e2e.runtime.prefix_cache.clear()
+        e2e.runtime.planner.prefix_cache.clear()
         e2e.runtime.arena.close()
     raw.update(found)
     if "decode" in raw:

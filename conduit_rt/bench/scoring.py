@@ -11,7 +11,7 @@ results also hold the mass's largest relative difference from ``attention_stats`
 normaliser itself. Its target is a share of a
 full prefill of the same request, which the end-to-end run measures (``cli`` joins the two).
 
-``topk``: ``refresh.top_k_indices`` (what selection calls: the native ``conduit_topk``, indices
+``topk``: ``selection.top_k_indices`` (what selection calls: the native ``conduit_topk``, indices
 ascending) against ``torch.topk`` on the same random float32 scores.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import math
 import torch
 
 from conduit_rt import topk as topk_native
-from conduit_rt.refresh import Conduit, RefreshOptions, VisualTokens, budget_tokens, top_k_indices
+from conduit_rt.refresh import Conduit, RefreshOptions, VisualTokens
+from conduit_rt.selection import budget_tokens, top_k_indices
 
 from .config import KernelSizes
 from .kernels import KernelBench
@@ -92,8 +93,8 @@ def topk(bench: KernelBench) -> dict:
     same = set(top_k_indices(scores, s.topk_k).tolist()) == set(torch.topk(scores, s.topk_k).indices.tolist())
     return {"n": s.topk_n, "k": s.topk_k, "seconds": ours.median_s, "time": ours.as_dict(),
             "torch_seconds": reference.median_s, "torch_time": reference.as_dict(), "same_indices": same,
-            "implementation": "refresh.top_k_indices: native conduit_topk (radix select, 5 launches, indices ascending)"
-            if topk_native.native_backend_ready(scores.device.type) else "refresh.top_k_indices: torch.topk + sort (fallback)"}
+            "implementation": "selection.top_k_indices: native conduit_topk (radix select, 5 launches, indices ascending)"
+            if topk_native.native_backend_ready(scores.device.type) else "selection.top_k_indices: torch.topk + sort (fallback)"}
 
 
 def run(timer: Timer, sizes: KernelSizes, dtype: torch.dtype) -> tuple[dict, list[Target], dict[str, str]]:

@@ -27,7 +27,7 @@ ROWS: dict[str, str] = {
     "scoring.vs_prefill": "CONDUIT scoring over 32 layers (64 query rows, 8K visual tokens: native attention "
                           "statistics, value norms, amplification) + global top-k, against a decoder-only full "
                           "prefill of as many tokens on the 7B-shaped model",
-    "topk.vs_torch": "the selection's top-k (refresh.top_k_indices) of 100K scores, k = 10K, against torch.topk",
+    "topk.vs_torch": "the selection's top-k (selection.top_k_indices) of 100K scores, k = 10K, against torch.topk",
     "ttft.vs_full_prefill": "TTFT of 8 seen images shown again under a changed prefix and order (~100 text tokens), "
                             "refresh conduit at 10%, against our full prefill of the same request (image embeddings "
                             "cached in both); the cold TTFTs (vision tower) are in the detail",

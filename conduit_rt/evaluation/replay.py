@@ -118,7 +118,7 @@ class Replay:
     def __init__(self, runtime, settings: Sequence[Setting], max_tokens: int) -> None:
         if settings[0].kind != "reference":
             raise ValueError("the first setting must be the reference (cold full prefill)")
-        if runtime.prefix_cache.max_entries != 0:
+        if runtime.planner.prefix_cache.max_entries != 0:
             raise ValueError("the replay needs a runtime without a prefix cache (prefix_cache_entries=0)")
         self.runtime, self.settings, self.max_tokens = runtime, list(settings), max_tokens
 
