@@ -1,6 +1,7 @@
 """conduit-rt: a compact runtime for vision-language models that see the same images again and again.
 
-``Runtime`` loads a converted model and answers chat requests; ``KVArena`` is the native KV cache.
+``Runtime`` loads a model and answers chat requests (``GenerationOptions``: sampling, refresh and
+compression settings); ``KVArena`` is the native KV cache.
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def __getattr__(name: str):
         from .runtime import Runtime
 
         return Runtime
+    if name == "GenerationOptions":
+        from .options import GenerationOptions
+
+        return GenerationOptions
     if name in ("KVArena", "Sequence", "ImageEntry", "ArenaStats", "DecodeStep"):
         from . import arena
 
