@@ -45,6 +45,29 @@ class ArenaStats:
     image_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class KernelTuning:
+    """Launch choices of the CUDA kernels (``conduit_tuning`` in conduit.h), for a GPU where a default
+    is not the fastest: measure first (``tools/bench_prefill_attention.py``). 0 keeps a field's
+    default; the CPU backend ignores them; results are the same up to float rounding. Both shape
+    the many-query tensor-core attention (bf16/f16, head_dim 64 or 128).
+
+    Attributes:
+        mma_warps: warps per CTA, 4 or 8 (0: 8 while 8-warp CTAs fill every SM twice, else 4).
+        mma_split_waves: waves of resident CTAs that its key splits fill when its unsplit CTAs leave
+            SMs idle, 1..8 (0: 1).
+    """
+
+    mma_warps: int = 0
+    mma_split_waves: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("mma_warps", "mma_split_waves"):  # (the ranges are the library's to check)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not -(2**31) <= value < 2**31:
+                raise InvalidArgumentError(f"tuning.{name} must be an int32, got {value!r}")
+
+
 # torch's current CUDA stream of a device index as an int, without a Stream object (a private
 # binding that torch's own generated code calls; absent in a CPU-only build)
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -86,11 +109,12 @@ class KVArena:
         block_size: tokens per block (a power of two).
         kv_bytes: bytes of the pool (all of it is allocated now).
         image_cache_bytes: LRU byte budget of the image store, carved from the same pool.
+        tuning: launch choices of the CUDA kernels (None: the library's defaults).
     """
 
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", block_size: int = 16, kv_bytes: int = 64 << 20,
-                 image_cache_bytes: int = 0) -> None:
+                 image_cache_bytes: int = 0, tuning: KernelTuning | None = None) -> None:
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"unsupported KV dtype {dtype}; use one of {list(DTYPES)}")
         self.device = torch.device(device)
@@ -106,6 +130,8 @@ class KVArena:
         params.dtype = DTYPES[dtype]
         params.n_layers, params.n_kv_heads, params.head_dim = n_layers, n_kv_heads, head_dim
         params.block_size, params.kv_bytes, params.image_cache_bytes = block_size, kv_bytes, image_cache_bytes
+        if tuning is not None:
+            params.tuning.mma_warps, params.tuning.mma_split_waves = tuning.mma_warps, tuning.mma_split_waves
         out = self._ffi.new("conduit_arena **")
         native.check(self._lib.conduit_arena_create(self._ffi.new("conduit_arena_params *", params), out),
                      "creating the KV arena")
@@ -114,6 +140,7 @@ class KVArena:
         p = self._lib.conduit_arena_get_params(self._handle)
         self.n_layers, self.n_kv_heads, self.head_dim = p.n_layers, p.n_kv_heads, p.head_dim
         self.block_size, self.kv_bytes, self.image_cache_bytes = p.block_size, p.kv_bytes, p.image_cache_bytes
+        self.tuning = KernelTuning(p.tuning.mma_warps, p.tuning.mma_split_waves)
 
     # -- lifetime ---------------------------------------------------------------------------------
     @property

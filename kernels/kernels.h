@@ -94,6 +94,14 @@ struct Slots {
     int32_t base = 0;
 };
 
+// Launch choices of the many-query tensor-core attention that a caller may set for its GPU
+// (conduit_tuning in conduit.h, carried by the arena); 0 keeps a field's default. The CPU backend
+// ignores them.
+struct Tuning {
+    int32_t mma_warps = 0;       // warps per CTA: 4 or 8; 0: 8 while 8-warp CTAs fill the device twice, else 4
+    int32_t mma_split_waves = 0; // waves of resident CTAs the key splits fill, 1..8; 0: 1
+};
+
 #if defined(__CUDACC__) || defined(CONDUIT_CUDA_EMULATION)
 #define CONDUIT_HOST_DEVICE __host__ __device__
 #else
@@ -131,9 +139,9 @@ CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
     void read_dense(const LayerView &src, void *k_out, void *v_out, void *stream);                       \
     /* Causal-by-position GQA attention: q [n_q, n_heads, head_dim] (kv dtype), q_pos int32 [n_q],     \
        out [n_q, n_heads, head_dim] (kv dtype), lse float32 [n_q, n_heads] or null. A query seeing no  \
-       key writes zeros and lse = -inf. */                                                                \
+       key writes zeros and lse = -inf. `tuning` shapes the launch of the many-query tensor-core path. */ \
     void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \
-                   float scale, void *out, float *lse, void *stream);                                    \
+                   float scale, void *out, float *lse, const Tuning &tuning, void *stream);              \
     /* Attention statistics (see conduit_seq_attention_stats): mass float32 [n_tokens] (overwritten),  \
        n_below float32 [n_heads] or null, lse float32 [n_q, n_heads] or null. */                          \
     void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, \

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conduit_rt import native
-from conduit_rt.arena import KVArena
+from conduit_rt.arena import KernelTuning, KVArena
 from conduit_rt.errors import (
     AlreadyExistsError,
     ArenaFullError,
@@ -59,6 +59,23 @@ def test_bad_arena_params_are_rejected(field, value, match):
     kw[field] = value
     with pytest.raises(InvalidArgumentError, match=match):
         KVArena(**kw)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(mma_warps=6), "mma_warps"),
+    (dict(mma_warps=-4), "mma_warps"),
+    (dict(mma_split_waves=9), "mma_split_waves"),
+    (dict(mma_split_waves=-1), "mma_split_waves"),
+])
+def test_bad_kernel_tuning_is_rejected(fields, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        KVArena(n_layers=1, n_kv_heads=1, head_dim=16, tuning=KernelTuning(**fields))
+
+
+def test_kernel_tuning_takes_int32_values_only():
+    for value in (2**31, 1.5, "8", True):
+        with pytest.raises(InvalidArgumentError, match="mma_warps"):
+            KernelTuning(mma_warps=value)
 
 
 def test_unknown_dtype_and_missing_backend_are_typed():

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conduit_rt.arena import KVArena
+from conduit_rt.arena import KernelTuning, KVArena
 from conduit_rt.errors import InvalidArgumentError
 
 from . import reference
@@ -69,10 +69,16 @@ def test_attention_matches_sdpa_reference(device, dtype, n_kv_heads, group, head
 @pytest.mark.parametrize("n_kv_heads,group,layout", [(32, 1, "text"), (4, 7, "text"), (32, 1, "recompute"),
                                                      (8, 4, "recompute")])
 def test_attention_of_few_queries_over_many_keys_matches_the_reference(dtype, n_kv_heads, group, layout):
+    check_few_queries(dtype, n_kv_heads, group, layout)
+
+
+def check_few_queries(dtype: torch.dtype, n_kv_heads: int, group: int, layout: str,
+                      tuning: KernelTuning | None = None) -> None:
+    """104 queries over 4700 keys on the GPU (see the test above), against the float64 reference."""
     n_tokens, n_q, head_dim, device = 4700, 104, 128, "cuda"
     gen = torch.Generator().manual_seed(n_kv_heads * 10 + group)
     arena = KVArena(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device, block_size=16,
-                    kv_bytes=128 << 20)
+                    kv_bytes=128 << 20, tuning=tuning)
     seq = arena.new_sequence()
     k_pos = torch.arange(n_tokens, dtype=torch.int32)
     seq.append(k_pos)
@@ -96,7 +102,8 @@ def test_attention_of_few_queries_over_many_keys_matches_the_reference(dtype, n_
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
-def check_long_chunk(device: str, dtype: torch.dtype, head_dim: int, layout: str) -> None:
+def check_long_chunk(device: str, dtype: torch.dtype, head_dim: int, layout: str,
+                     tuning: KernelTuning | None = None) -> None:
     """A prefill chunk of 1200 queries over its own 1200 keys, GQA 32 / 8: 304 CTAs of 128 rows, enough
     for the tensor-core attention's 8-warp CTAs (two wgmma warpgroups each on Hopper) on a GPU of up
     to 152 SMs. ``causal``: keys at positions 0..n-1 in slot order (most tiles open, the CTAs' key
@@ -105,7 +112,7 @@ def check_long_chunk(device: str, dtype: torch.dtype, head_dim: int, layout: str
     n, n_kv_heads, group = 1200, 8, 4
     gen = torch.Generator().manual_seed(head_dim + (layout == "shuffled"))
     arena = KVArena(n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, device=device, block_size=16,
-                    kv_bytes=64 << 20)
+                    kv_bytes=64 << 20, tuning=tuning)
     seq = arena.new_sequence()
     k_pos = torch.arange(n, dtype=torch.int32) if layout == "causal" else torch.randperm(n, generator=gen).to(torch.int32)
     seq.append(k_pos)
@@ -129,6 +136,36 @@ def check_long_chunk(device: str, dtype: torch.dtype, head_dim: int, layout: str
 @pytest.mark.parametrize("layout", ["causal", "shuffled"])
 def test_attention_of_a_long_prefill_chunk_matches_the_reference(dtype, head_dim, layout):
     check_long_chunk("cuda", dtype, head_dim, layout)
+
+
+# conduit_tuning moves the tensor-core attention's CTA shape and key splits, not its result: 4- and
+# 8-warp CTAs forced and three waves of splits, on a text pass (few rows per KV head: split keys) and
+# a long chunk (enough rows for 8-warp CTAs by default).
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [KernelTuning(mma_warps=4), KernelTuning(mma_warps=8),
+                                    KernelTuning(mma_split_waves=3)], ids=str)
+def test_attention_under_kernel_tuning_matches_the_reference(tuning):
+    check_few_queries(torch.bfloat16, 32, 1, "text", tuning)
+    check_few_queries(torch.bfloat16, 8, 4, "recompute", tuning)
+    check_long_chunk("cuda", torch.bfloat16, 128, "causal", tuning)
+
+
+def test_an_arena_reports_its_kernel_tuning_which_the_cpu_backend_ignores():
+    gen = torch.Generator().manual_seed(3)
+    tuned = make_arena("cpu", torch.float32, 2, 64, 16, tuning=KernelTuning(mma_warps=8, mma_split_waves=2))
+    plain = make_arena("cpu", torch.float32, 2, 64, 16)
+    assert tuned.tuning == KernelTuning(8, 2) and plain.tuning == KernelTuning()
+    k, v, q = (rand((40, 2, 64), torch.float32, "cpu", gen) for _ in range(3))
+    q_pos = torch.arange(40, dtype=torch.int32)
+    outs = []
+    for arena in (tuned, plain):
+        seq = arena.new_sequence()
+        seq.append(range(40))
+        seq.write_kv(0, k, v)
+        outs.append(seq.attention(0, q, q_pos, 0.125))
+    assert torch.equal(outs[0], outs[1])
+    ref_out, _ = reference.attention(q.double(), k.double(), v.double(), q_pos, q_pos, 0.125)
+    torch.testing.assert_close(outs[0].double(), ref_out, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -5,9 +5,8 @@ Shapes: one query per sequence over 32K and 128K keys, 16 sequences of 8K (32 he
 bf16, a ``DecodeStep`` as the runtime's decode), and LLaVA-7B's multi-head decode at a 4K context
 (32 KV heads, the CUDA-core kernel). Each is timed (device time, median, L2 flushed), checked
 against a float32 reference and compared with torch SDPA's fastest backend (``--no-sdpa``: ours only).
-Run it once per build to A/B kernel changes on one machine (a build's decode rows once moved 17%
-between libraries whose decode kernel had the same SASS loop: 16 bytes more of static shared memory;
-only a same-machine A/B of builds told it from the machine):
+Decode figures differ between machines by as much as a kernel change moves them, so compare two
+builds on one machine:
 
     CONDUIT_LIB=/path/a/libconduit.so python3 tools/bench_decode_attention.py --out a.json --label a
     CONDUIT_LIB=/path/b/libconduit.so python3 tools/bench_decode_attention.py --out b.json --label b

@@ -2,13 +2,15 @@
 """The many-query attention (prefill chunks, CONDUIT's passes) of the library at CONDUIT_LIB, on a GPU.
 
 Shapes: ``conduit bench``'s prefill chunk (4096 causal queries, 32 heads over 8 KV heads; also at head
-dim 64) and scattered recompute (884 queries over 8512 keys), and the LLaVA-7B (MHA, 32 KV heads) shapes of a warm CONDUIT
-request: its text pass (104 queries after 4608 cached keys) and its recompute (461 scattered image
-tokens + those 104). Each is timed (device time, median), checked against a float32 reference and
-compared with torch SDPA on the dense causal problem of its size. Run it once per build to A/B
-kernel variants; prints a table and writes --out.
+dim 64) and scattered recompute (884 queries over 8512 keys), and the LLaVA-7B (MHA, 32 KV heads)
+shapes of a warm CONDUIT request: its text pass (104 queries after 4608 cached keys) and its
+recompute (461 scattered image tokens + those 104). Each is timed (device time, median), checked
+against a float32 reference and compared with torch SDPA on the dense causal problem of its size;
+prints a table and writes --out. ``--mma-warps`` and ``--mma-split-waves`` run it under a kernel
+tuning (``conduit_tuning``): compare their rows with the defaults' to choose one for a GPU.
 
     CONDUIT_LIB=/path/libconduit.so python3 tools/bench_prefill_attention.py --out prefill.json [--label X]
+        [--mma-warps 4|8] [--mma-split-waves N]
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 
 import torch
 
+from conduit_rt.arena import KernelTuning, KVArena
 from conduit_rt.bench.config import KernelSizes
 from conduit_rt.bench.kernels import KernelBench
 from conduit_rt.bench.timing import Timer
@@ -34,15 +37,32 @@ def request_shapes() -> dict[str, list[int]]:
     return {"text pass (MHA)": text, "recompute (MHA)": chosen + text}
 
 
+class TunedBench(KernelBench):
+    """A KernelBench whose arenas carry a kernel tuning."""
+
+    def __init__(self, timer: Timer, sizes: KernelSizes, dtype: torch.dtype, tuning: KernelTuning) -> None:
+        super().__init__(timer, sizes, dtype)
+        self.tuning = tuning
+
+    def arena(self, n_tokens: int, n_seqs: int = 1, n_layers: int = 1) -> KVArena:
+        with super().arena(n_tokens, n_seqs, n_layers) as plain:  # the bench's sizing, then the same arena tuned
+            shape = dict(n_layers=plain.n_layers, n_kv_heads=plain.n_kv_heads, head_dim=plain.head_dim,
+                         dtype=plain.dtype, device=plain.device, block_size=plain.block_size, kv_bytes=plain.kv_bytes)
+        return KVArena(**shape, tuning=self.tuning)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_prefill_attention.json")
     parser.add_argument("--label", default="")
+    parser.add_argument("--mma-warps", type=int, default=0, help="conduit_tuning.mma_warps (0: the default)")
+    parser.add_argument("--mma-split-waves", type=int, default=0, help="conduit_tuning.mma_split_waves (0: the default)")
     args = parser.parse_args()
+    tuning = KernelTuning(args.mma_warps, args.mma_split_waves)
     timer = Timer(torch.device("cuda"))
-    gqa = KernelBench(timer, KernelSizes(), torch.bfloat16)
-    gqa64 = KernelBench(timer, dataclasses.replace(KernelSizes(), head_dim=64), torch.bfloat16)
-    mha = KernelBench(timer, dataclasses.replace(KernelSizes(), n_kv_heads=32), torch.bfloat16)
+    gqa = TunedBench(timer, KernelSizes(), torch.bfloat16, tuning)
+    gqa64 = TunedBench(timer, dataclasses.replace(KernelSizes(), head_dim=64), torch.bfloat16, tuning)
+    mha = TunedBench(timer, dataclasses.replace(KernelSizes(), n_kv_heads=32), torch.bfloat16, tuning)
     rows = {
         "prefill chunk 4K (GQA)": gqa.many_queries(4096, list(range(4096))),
         "bench recompute (GQA)": gqa.many_queries(*gqa.recompute_positions()),
@@ -55,7 +75,7 @@ def main() -> None:
         print(f"{name:26s} {r['n_queries']:7d} {r['n_keys']:6d} {r['seconds'] * 1e3:8.4f} "
               f"{r['flop_per_s'] / 1e12:8.1f} {r['sdpa_flop_per_s'] / 1e12:8.1f} {r['rel_err']:8.1e}")
     with open(args.out, "w") as f:
-        json.dump({"label": args.label, "rows": rows}, f, indent=1)
+        json.dump({"label": args.label, "tuning": dataclasses.asdict(tuning), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

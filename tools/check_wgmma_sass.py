@@ -5,10 +5,10 @@ accumulators, before the WARPGROUP.DEPBAR that retires it.
 
 Why: the PTX ISA makes touching a wgmma's A or accumulator registers before its wgmma.wait_group
 undefined, and ptxas does not enforce it for A: given P packed into new registers before the wait
-of the P V product that still reads the old ones, it reused the old registers (the eleventh
-session's `wgmma-pipeline2`: 692 such writes here, 0.4% of the outputs wrong on an H200, while the
-CPU emulator, which runs wgmma synchronously, passed). The compiler-level fences of wgmma.cuh act on
-NVVM, not on ptxas's register allocation, so the SASS is the place to look.
+of the P V product that still reads the old ones, it may reuse the old registers, and a fraction of
+the outputs come out wrong on the GPU while the CPU emulator, which runs wgmma synchronously, passes.
+The compiler-level fences of wgmma.cuh act on NVVM, not on ptxas's register allocation, so the SASS
+is the place to look.
 
 Every path of a function's control-flow graph is followed (both sides of a branch, loop back-edges,
 the divergent-branch fallbacks) with the groups in flight along it. The operand parsing is by

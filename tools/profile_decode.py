@@ -6,7 +6,8 @@ bench``, a ``--context``-token prompt prefilled through the arena, then
 - the graph-replayed step (``GraphedDecoder``): device time per replay (CUDA events around replays
   only) and wall time per step (prepare + input fills + replay + a host sync, as the Runtime's loop);
 - the bound: decoder weights + KV bytes read per token over the copy bandwidth;
-- whether the Triton kernels ran with programmatic dependent launch (``pdl``; ``CONDUIT_PDL=0``: off);
+- whether the Triton kernels ran with programmatic dependent launch (``pdl``; ``CONDUIT_PDL=0`` turns
+  it off for them; the native decode kernels use it on every GPU that has it);
 - with ``--trace``, where the replayed step's time goes: kernels traced in 8 replays, each credited
   with the time it extends the step past every kernel before it (``replay_critical``; kernels
   overlap under PDL, so their own durations do not add up), and the idle gaps before each;

@@ -11,7 +11,7 @@
 namespace conduit::kernels::cpu {
 
 void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
-               void *out, float *lse, void *) {
+               void *out, float *lse, const Tuning &, void *) {
     const int32_t d = kv.head_dim, hk = kv.n_kv_heads, group = n_heads / hk;
     const int64_t vd = v_delta(kv);
     const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -69,7 +69,7 @@ void batch_attention(const BatchView &kv, int32_t n_heads, const void *q, float 
         layer.block_table = kv.block_tables + i * kv.table_stride;
         layer.n_tokens = kv.n_tokens[i];
         attention(layer, 1, n_heads, static_cast<const char *>(q) + i * row, &any_position, scale,
-                  static_cast<char *>(out) + i * row, lse ? lse + int64_t(i) * n_heads : nullptr, stream);
+                  static_cast<char *>(out) + i * row, lse ? lse + int64_t(i) * n_heads : nullptr, Tuning{}, stream);
     }
 }
 

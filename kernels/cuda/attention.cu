@@ -1,25 +1,24 @@
-// attention.cu: the CUDA attention: picks the kernel instantiation for the dtype, head_dim and GQA
-// group (attention_shape.cuh), the number of KV splits, and where the split partials go (the stream
-// workspace of runtime.cu), then merges the splits by their log-sum-exp (attention_merge.cuh): the
-// CUDA-core kernel in the last CTA of each row group, on arrival counters (the stream's counters of
-// runtime.cu), the tensor-core kernels in a second launch. (Measured on an H200: the in-kernel merge
-// took 2.3 us off the CUDA-core kernel's 28.5 at LLaVA-7B's 4K decode, but put 1.5-3 us on the
-// tensor-core decode at GQA 4, 32K-128K keys, where one CTA per KV head merged the four rows that
-// the merge kernel gives a CTA each.) If the workspace cannot be allocated, the call falls back to a
-// single split; if the counters cannot, to the second launch: slower, same result. batch_attention
-// (a decode step over a batch of sequences) plans its splits from the batch's shape alone and takes
-// its counters and partials from the caller's workspace, so that it allocates nothing and can be
-// graph-captured.
-// Many queries take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA
-// group, bf16/f16 and head_dim 64/128, the tensor-core decode kernel (attention_mma_decode.cu).
-// Every kernel splits the keys only while its unsplit grid (queries or row tiles x KV heads) is
-// smaller than one wave of resident CTAs, into splits that fill about one wave. For the tensor-core
-// attention that is a text pass or a short recompute, few rows per KV head over thousands of keys (a
-// LLaVA-7B text pass was 64 unsplit CTAs on an H200 that holds 264, see attention_mma.cu); a prefill
-// chunk of many queries fills the device as it is and keeps one split.
+// attention.cu: the host side of the CUDA attention: picks the kernel for the shape, plans the key
+// splits and places their partials, and merges the splits by their log-sum-exp (attention_merge.cuh).
+//
+// Kernels: many queries (prefill chunks, CONDUIT's passes) of bf16/f16 layers with head_dim 64 or 128
+// take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA group of
+// 2..16, same dtypes and head dims, the tensor-core decode kernel (attention_mma_decode.cu); every
+// other shape the CUDA-core split-KV kernel (attention_kernel.cuh).
+// Splits: a kernel splits the keys only while its unsplit grid (queries or row tiles x KV heads) is
+// smaller than one wave of resident CTAs, into splits that fill about one wave (flash-decoding). That
+// is a decode step, or a many-query pass with few rows per KV head over thousands of keys (a CONDUIT
+// text pass); a prefill chunk of many queries fills the device as it is and keeps one split.
+// Merge: the CUDA-core kernel merges its splits in the last CTA of each row group, on arrival counters
+// (the stream's counters of runtime.cu), which saves the merge launch, most of a short decode call.
+// The tensor-core kernels merge in a second launch: their CTA holds a whole GQA group, and one CTA
+// merging the group's rows alone is slower on long contexts than the merge kernel's CTA per row.
+// Fallbacks: without workspace for the partials, one split; without counters, the second launch
+// (slower, the same result). batch_attention (a decode step over a batch of sequences) plans its
+// splits from the batch's shape alone and takes its counters and partials from the caller's
+// workspace, so that it allocates nothing and can be graph-captured.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "attention_kernel.cuh"
 #include "attention_mma.cuh"
@@ -87,21 +86,13 @@ void place_partials(AttentionParams &p, char *ws) {
     p.partial_lse = reinterpret_cast<float *>(ws + (partials * p.head_dim * sizeof(float) + 255) / 256 * 256);
 }
 
-// Whether the CUDA-core split kernel merges its splits in its last CTA: CONDUIT_LAST_CTA_MERGE=0 in the
-// environment (read once) keeps the second launch (merge_splits_kernel), for A/B runs. Both give the
-// same bits.
-bool merge_in_last_cta() {
-    static const bool enabled = env_not_zero("CONDUIT_LAST_CTA_MERGE");
-    return enabled;
-}
-
 // Bytes of arrival counters for n_groups row groups (the CTAs of one split), 256-byte aligned.
 size_t counters_bytes(int64_t n_groups) { return (size_t(n_groups) * sizeof(uint32_t) + 255) / 256 * 256; }
 
 // Points p's partials (when it has several splits) into the stream's workspace, and with
-// `last_cta_merge` (a kernel that merges in its last CTA, if enabled) its arrival counters, one per
-// CTA of a split, into the stream's counters. If the partials cannot be allocated, falls back to one
-// split per CTA; if the counters cannot, to the merge kernel: slower, the same answer.
+// `last_cta_merge` (a kernel that merges in its last CTA) its arrival counters, one per CTA of a
+// split, into the stream's counters. If the partials cannot be allocated, falls back to one split
+// per CTA; if the counters cannot, to the merge kernel: slower, the same answer.
 void place_stream_partials(AttentionParams &p, cudaStream_t stream, bool last_cta_merge) {
     if (p.n_splits <= 1) return;
     const size_t bytes = partials_bytes(p.n_q, p.n_heads, p.head_dim, p.n_splits);
@@ -115,9 +106,8 @@ void place_stream_partials(AttentionParams &p, cudaStream_t stream, bool last_ct
     // Made on every split path, so that a warm-up that splits at all makes them before a CUDA graph
     // is captured (then they grow no more: a split's CTAs are fewer than one wave, far below the
     // 16K counters of the first allocation).
-    const bool use = last_cta_merge && merge_in_last_cta();
-    uint32_t *counters = stream_counters(use ? size_t(p.n_q) * p.n_kv_heads * p.head_tiles : 1, stream);
-    if (use) p.split_counters = counters;
+    uint32_t *counters = stream_counters(last_cta_merge ? size_t(p.n_q) * p.n_kv_heads * p.head_tiles : 1, stream);
+    if (last_cta_merge) p.split_counters = counters;
 }
 
 // CTAs of one split-KV instantiation resident on the device at once: its occupancy per SM (registers,
@@ -148,19 +138,9 @@ int64_t resident_ctas_for(DType dtype, int32_t head_dim, int32_t group) {
     return out;
 }
 
-// Splits of base_ctas CTAs' keys: as many as one wave of resident CTAs holds, at least one, at most
-// kMaxSplits and no more than give each split min_split_tokens of n_tokens.
-// Waves of resident CTAs the tensor-core attention's split plan fills: CONDUIT_MMA_SPLIT_WAVES (1..8,
-// read once; for measuring), default 1.
-int64_t mma_split_waves() {
-    static const int64_t waves = [] {
-        const char *env = std::getenv("CONDUIT_MMA_SPLIT_WAVES");
-        const int asked = env ? std::atoi(env) : 0;
-        return asked >= 1 && asked <= 8 ? asked : 1;
-    }();
-    return waves;
-}
-
+// Splits of base_ctas CTAs' keys: as many as `resident` CTAs hold (one wave, or the waves the caller
+// asks for), at least one, at most kMaxSplits and no more than give each split min_split_tokens of
+// n_tokens.
 int32_t splits_for(int64_t base_ctas, int64_t resident, int64_t n_tokens, int32_t min_split_tokens) {
     const int64_t by_length = std::max<int64_t>((n_tokens + min_split_tokens - 1) / min_split_tokens, 1);
     return int32_t(std::clamp<int64_t>(resident / base_ctas, 1, std::min<int64_t>(by_length, kMaxSplits)));
@@ -252,7 +232,7 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
 }
 
 void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
-               void *out, float *lse, void *stream) {
+               void *out, float *lse, const Tuning &tuning, void *stream) {
     if (n_q <= 0) return;
     AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
     p.out = out;
@@ -260,11 +240,12 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
     // many queries: tensor cores (whose softmax folds a positive scale into its exponent: a zero or
     // negative one, which no model uses, takes the CUDA-core kernels below)
     if (mma_attention_applies(kv.dtype, p.head_dim, n_q, p.group) && p.scale_log2 > 0.0f) {
-        // Few rows per KV head give fewer CTAs than the device holds (a CONDUIT text pass: 64 on an
-        // H200 that holds 264), each streaming every key alone: split the keys until one wave is full.
-        const int warps = mma_warps_for(p);
+        // Few rows per KV head give fewer CTAs than the device holds (a CONDUIT text pass), each
+        // streaming every key alone: split the keys until the wave (or tuning's waves) is full.
+        const int warps = mma_warps_for(p, tuning.mma_warps);
+        const int64_t waves = tuning.mma_split_waves > 0 ? tuning.mma_split_waves : 1;
         plan_splits_of(p, mma_attention_base_ctas(p, warps), kMmaTileKeys, kMinMmaSplitKeys,
-                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * mma_split_waves());
+                       mma_attention_resident_ctas(kv.dtype, p.head_dim, warps) * waves);
         place_stream_partials(p, as_stream(stream), false);
         launch_mma_attention_and_merge(p, kv.dtype, warps, as_stream(stream));
         return;
@@ -310,7 +291,7 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
     p.table_stride = kv.table_stride;
     p.n_tokens = kv.max_tokens;
     p.trim_to_visible = false;
-    p.tiles_before_wait = decode_overlap_enabled();
+    p.tiles_before_wait = true;
     p.out = out;
     p.lse = lse;
     p.new_k = new_k;
@@ -326,7 +307,7 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
         require(plan.base_ctas <= plan.resident_ctas, "batch attention: more row groups than counters");
         char *ws = static_cast<char *>(workspace);
         place_partials(p, ws + counters_bytes(plan.resident_ctas));
-        if (merge_in_last_cta() && !tensor_cores) p.split_counters = reinterpret_cast<uint32_t *>(ws);
+        if (!tensor_cores) p.split_counters = reinterpret_cast<uint32_t *>(ws);
     }
     if (tensor_cores) {
         launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream));

@@ -9,7 +9,7 @@
 //     arrival counter of its row group (p.split_counters, one per (blockIdx.x, blockIdx.y)); the CTA
 //     that arrives last merges the group's rows and sets the counter back to 0, so counters that
 //     start at zero are zero again after every launch (and graph replay). This saves the second
-//     launch, the bulk of a short decode call (LLaVA-7B, 4K keys: 28.5 -> 26.2 us a layer, H200).
+//     launch, a fixed cost that is a large part of a short decode call.
 // Both give the same bits: the weights' sum is the butterfly-then-warps order of a 128-thread CTA
 // over splits 0..127, and each output column sums its splits by team (team g: splits g, g + teams,
 // ... in order), then the teams in order.
@@ -150,9 +150,9 @@ __device__ __forceinline__ void merge_if_last_split(const AttentionParams &p, in
     // thread 0's fence, whose release covers them; after its arrival the last CTA's fence acquires
     // the other CTAs' partials for every thread behind the second barrier. That barrier is a
     // __syncthreads_or, which also broadcasts thread 0's verdict. A __shared__ flag would add static
-    // shared memory: when the tensor-core decode kernel carried this tail, 16 bytes more of it
-    // (640 -> 656) made its key loop 17% slower on an H200 even where the merge never ran (the same
-    // SASS loop, registers and occupancy; bisected in docs/benchmarks/session6).
+    // shared memory, and a few bytes of it can slow a kernel's key loop even where the merge never
+    // runs (same SASS loop, registers and occupancy: check ptxas -v when a change moves a kernel's
+    // speed without touching its loop).
     __syncthreads();
     int last = 0;
     if (threadIdx.x == 0) {

@@ -1,25 +1,21 @@
 // attention_mma.cu: FlashAttention-2-style attention on tensor cores for bf16/f16 layers with
-// head_dim 64 or 128 and many queries (prefill chunks, CONDUIT recompute): mma.sync m16n8k16 on
+// head_dim 64 or 128 and many queries (prefill chunks, CONDUIT's recompute): mma.sync m16n8k16 on
 // sm_80+, and on sm_90a (Hopper built as 90a) the two products of a key tile as warpgroup MMAs
 // (wgmma.cuh: each 4-warp group of the CTA is one 64-row wgmma tile; K and V read from shared memory
 // by the tensor core, Q and P from registers; a tile's P V runs during the next tile's softmax, as in
-// FlashAttention-3). Measured on an H200 against the mma.sync build of the same tree
-// (docs/benchmarks/runs.md, tenth session): a 4K prefill chunk 628 -> 534 us, CONDUIT's recompute
-// 402 -> 346 us (GQA) and 212 -> 182 us (MHA); the pipeline, 487 -> 470 us on the chunk (eleventh);
-// CTAs of 8 warps with a producer warpgroup that gathers the key tiles (warp specialization,
-// for_each_key_tile_specialized, kMmaProducerWarps), 469 -> 426 us (thirteenth session; the
-// default since the fourteenth). Everything else (rows, tiles, softmax, masks, splits) is the same code on both.
+// FlashAttention-3). With wgmma, CTAs of 8 warps add a producer warpgroup that gathers the key tiles
+// (warp specialization: for_each_key_tile_specialized, kMmaProducerWarps). Everything else (rows,
+// tiles, softmax, masks, splits) is the same code on both.
 //
 // Rows are (query, head) pairs of one KV head: row r = query r / group, head r % group of the
 // group, so each K/V tile in shared memory serves every query head of the group. Grid: x = tile of
 // kRows rows (heaviest first: later queries usually see more keys), y = KV head, z = split of the
-// keys (whole kKeys tiles, p.split_tokens slots each). Splits: with few rows per KV head the x-y grid
-// is far smaller than the device, and each CTA streams every key tile alone. A CONDUIT text pass on
-// LLaVA-7B (104 queries over ~4700 keys, 32 heads, MHA) is 64 CTAs of 4 warps on an H200 that holds
-// 264, each walking 74 key tiles: 6.3 ms of the pass's 10.9 ms device time (32 layers). So
-// attention.cu splits the keys until one wave of CTAs is full (flash-decoding); each split writes its
-// rows' normalised float partial and natural-log lse, and merge_splits (attention.cu) combines them.
-// With one split a CTA writes out and lse itself. Per CTA:
+// keys (whole kKeys tiles, p.split_tokens slots each). Splits: with few rows per KV head (a CONDUIT
+// text pass: ~100 queries over thousands of keys) the x-y grid is far smaller than the device, and
+// each CTA would stream every key tile alone. So attention.cu splits the keys until one wave of CTAs
+// is full (flash-decoding); each split writes its rows' normalised float partial and natural-log lse,
+// and merge_splits (attention.cu) combines them. With one split a CTA writes out and lse itself. Per
+// CTA:
 //   1. Each warp keeps its 16 rows of Q as mma A fragments in registers (unscaled).
 //   2. Key tiles of kKeys slots are gathered from the paged pool with cp.async through a ring of
 //      kStages shared-memory stages, kStages - 1 tiles ahead of the compute (kStages - 2 with
@@ -28,10 +24,9 @@
 //      with the tensor pipe idle in between); each warp decides from the tile's positions, with warp
 //      votes, what the tile shows the CTA: a tile none of its rows can see is skipped, and a slot no
 //      row can see is zero-filled (its K/V may be garbage or NaN and must not reach the arithmetic).
-//      With wgmma (and CONDUIT_MMA_PRODUCER, on by default), a CTA of 8 warps has a fourth warpgroup
-//      that does the gathering and the votes alone, handing each tile over with its view through
-//      shared-memory barriers (no CTA barrier a tile); CTAs of 4 warps keep the loop above
-//      (kMmaProducerWarps).
+//      With wgmma, a CTA of 8 warps has a third warpgroup that does the gathering and the votes
+//      alone, handing each tile over with its view through shared-memory barriers (no CTA barrier a
+//      tile); CTAs of 4 warps keep the loop above (kMmaProducerWarps).
 //   3. S = Q K^T (ldmatrix from the swizzled K tile, or one wgmma per 16 dims), masked per element by position
 //      (positions[slot] <= q_pos) unless every slot of the tile is visible to every row of the CTA
 //      (most tiles of a causal prefill: the mask's shared-memory reads and selects are skipped),
@@ -44,7 +39,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <type_traits>
 
 #include "attention_mma_tile.cuh"
@@ -88,15 +82,12 @@ __device__ __forceinline__ void store_rows(const AttentionParams &p, const WarpR
 }
 
 // The CTA's warps besides its kWarps of rows: with wgmma and 8 warps, the producer warpgroup that
-// gathers the key tiles (for_each_key_tile_specialized), in builds with CONDUIT_MMA_PRODUCER=1.
-// Device code built for sm_90a has it, the rest not; the host learns which from the launch bound of
-// the kernel it would run (MmaKernel::threads). CTAs of 4 warps keep the CTA-barrier loop: two of
-// them share an SM, which the producer's registers would not leave room for.
-// On by default (CONDUIT_MMA_PRODUCER=0 builds the CTA-barrier loop everywhere, for A/B runs).
-#ifndef CONDUIT_MMA_PRODUCER
-#define CONDUIT_MMA_PRODUCER 1
-#endif
-template <int kWarps> constexpr int kMmaProducerWarps = CONDUIT_WGMMA && CONDUIT_MMA_PRODUCER && kWarps == 8 ? 4 : 0;
+// gathers the key tiles (for_each_key_tile_specialized): the computing warps then neither copy
+// (about a third of their instructions a tile) nor meet at a CTA barrier every tile. Device code
+// built for sm_90a has it, the rest not; the host learns which from the launch bound of the kernel it
+// would run (MmaKernel::threads). CTAs of 4 warps keep the CTA-barrier loop: two of them share an SM,
+// which the producer's registers would not leave room for.
+template <int kWarps> constexpr int kMmaProducerWarps = CONDUIT_WGMMA && kWarps == 8 ? 4 : 0;
 
 template <typename T, int kHeadDim, int kWarps>
 __global__ void __launch_bounds__(MmaShape<kHeadDim, kWarps>::kThreads + 32 * kMmaProducerWarps<kWarps>,
@@ -353,18 +344,11 @@ void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cuda
 }
 
 // 8 warps (128 rows a CTA) share each key tile among twice the rows, which pays while their CTAs
-// still fill the device twice over: on an H200 a 4K-query prefill chunk ran at 185 TFLOP/s with 8
-// against 173 with 4, while CONDUIT's recompute (884 queries, 224 CTAs of 8 warps) ran at 111
-// against 115 (docs/benchmarks/runs.md, run I). With the producer warpgroup (8-warp CTAs only), 8
-// warps for every shape still lost on the recompute: 337 against 334 us (GQA), 183 against 174 (MHA)
-// (fourteenth session).
-int mma_warps_for(const AttentionParams &p) {
-    static const int forced = [] {
-        const char *env = std::getenv("CONDUIT_MMA_WARPS");
-        const int asked = env ? std::atoi(env) : 0;
-        return asked == 4 || asked == 8 ? asked : 0;
-    }();
-    if (forced) return forced;
+// still fill the device twice over (a long prefill chunk); on fewer rows (CONDUIT's recompute: a few
+// hundred queries) 4-warp CTAs balance the SMs better. `forced` (Tuning::mma_warps), 4 or 8, overrides
+// the choice.
+int mma_warps_for(const AttentionParams &p, int32_t forced) {
+    if (forced == 4 || forced == 8) return forced;
     return mma_attention_base_ctas(p, 8) >= 2 * int64_t(sm_count()) ? 8 : 4;
 }
 

@@ -18,19 +18,16 @@ namespace conduit::kernels::cuda {
 constexpr int32_t kMmaTileKeys = 64;
 
 // Shared-memory stages of the tensor-core key-tile loop (attention_mma_tile.cuh): two tiles in flight
-// behind the one computed (one with wgmma, where the previous tile's stage is still read). A
-// build-time knob (2 to 8; 3 to 8 for an sm_90a build) for measuring, and for sm_80 (see MmaShape).
-#ifndef CONDUIT_MMA_STAGES
-#define CONDUIT_MMA_STAGES 3
-#endif
+// behind the one computed (one with wgmma, where the previous tile's stage is still read); fewer
+// leave the copies too little compute to land behind, more cost occupancy.
+constexpr int kMmaStages = 3;
 
 // Tile geometry for head dimension kHeadDim (64 or 128). A CTA takes kRows (query, head) rows of one
 // KV head, kWarps warps of 16 rows each, and streams key tiles of kKeys slots through kStages
 // shared-memory stages (K tile, V tile; 16-byte chunks, XOR-swizzled) plus their positions. More
 // warps share each key tile among more rows (fewer loads per FLOP) at the cost of occupancy. Three
-// stages at head_dim 128 take 97 KiB: still two CTAs of 4 warps per SM on sm_90 (228 KiB; registers
-// allow no more), but one on sm_80/sm_87 (164 KiB), where the ring was not measured: a build for
-// those may want CONDUIT_MMA_STAGES=2.
+// stages at head_dim 128 take 97 KiB: two CTAs of 4 warps per SM on sm_90 (228 KiB; registers allow
+// no more), one on sm_80/sm_87 (164 KiB).
 template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kWarpCount == 4 || kWarpCount == 8, "4 or 8 warps");
@@ -38,8 +35,7 @@ template <int kHeadDim, int kWarpCount = 4> struct MmaShape {
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kRows = 16 * kWarps;
     static constexpr int kKeys = kMmaTileKeys;
-    static constexpr int kStages = CONDUIT_MMA_STAGES;
-    static_assert(kStages >= 2 && kStages <= 8, "2 to 8 stages");
+    static constexpr int kStages = kMmaStages;
     static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks per K or V row
     static constexpr int kTileChunks = kKeys * kRowChunks;     // one K (or V) tile
     static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
@@ -140,9 +136,9 @@ __device__ __forceinline__ float fast_exp2(float x) {
 inline float fast_exp2(float x) { return exp2f(x); }
 #endif // CONDUIT_CUDA_EMULATION
 
-// Warps per CTA of the tensor-core attention for p (4 or 8, see attention_mma.cu);
-// CONDUIT_MMA_WARPS=4 or 8 in the environment forces one (read once; for measuring both).
-int mma_warps_for(const AttentionParams &p);
+// Warps per CTA of the tensor-core attention for p: `forced` (Tuning::mma_warps) when it is 4 or 8,
+// else chosen by CTA count (attention_mma.cu).
+int mma_warps_for(const AttentionParams &p, int32_t forced);
 
 // Whether the tensor-core kernels (mma.sync m16n8k16 on 16-bit operands, tiles for head_dim 64 and
 // 128) can take a layer of this dtype and head_dim.
@@ -174,7 +170,7 @@ void launch_mma_attention(const AttentionParams &p, DType dtype, int warps, cuda
 constexpr int32_t kDecodeMmaTileKeys = 64;
 
 // Whether the tensor-core decode kernel handles (dtype, head_dim, group): bf16/f16, head_dim 64 or
-// 128, groups 2..16. CONDUIT_DECODE_MMA=0 in the environment (read once) turns it off, for A/B runs.
+// 128, groups 2..16 (multi-head attention stays on the CUDA-core kernel: attention_mma_decode.cu).
 bool decode_mma_applies(DType dtype, int32_t head_dim, int32_t group);
 
 // CTAs of the decode kernel for this shape resident on the device at once (occupancy x SMs).

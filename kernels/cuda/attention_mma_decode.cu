@@ -3,13 +3,12 @@
 // stored key of its split range.
 //
 // Why: the CUDA-core kernel (attention_kernel.cuh) spends 2 * group * head_dim FMAs per key plus
-// conversions and shuffles, which for group 4 makes it issue-bound at ~0.5-0.7 of copy bandwidth.
+// conversions and shuffles, which for a group of 4 leaves it issue-bound well below copy bandwidth.
 // Here the `group` query heads that share a KV head are the rows of one m16n8k16 A tile (rows past
 // the group are zero), so 16 keys cost 2 * head_dim / 16 * 2 mma instructions per warp, whatever the
 // group, and the kernel is left bound by the K/V stream. Multi-head attention (group 1) stays on the
-// CUDA-core kernel, which has 2 * head_dim FMAs per key there: measured on an H200 (LLaVA-1.5-7B, 4K
-// context, bf16), this kernel took 27.6 us a layer against its 20.3, so decode_mma_applies keeps
-// group 1 off it.
+// CUDA-core kernel: with one row of sixteen used, the tile's padding costs more than the 2 * head_dim
+// FMAs per key it replaces, so decode_mma_applies keeps group 1 off this kernel.
 //
 // Grid: x = query (sequence), y = KV head, z = split of its keys; the split plan, the partials
 // layout and the merge are those of the CUDA-core kernel (attention.cu). Per CTA (4 warps):
@@ -34,10 +33,6 @@
 
 #include "attention_mma_tile.cuh" // the mma primitives, quad_max/quad_sum, allow_dynamic_smem
 
-#ifndef CONDUIT_DECODE_MMA_STAGES // cp.async stages of K/V tiles (a build-time knob, measured on an H200)
-#define CONDUIT_DECODE_MMA_STAGES 2
-#endif
-
 namespace conduit::kernels::cuda {
 namespace {
 
@@ -48,10 +43,9 @@ template <int kHeadDim> struct DecodeShape {
     static constexpr int kWarpKeys = 16;                       // keys of each tile one warp takes
     static constexpr int kTileKeys = kWarps * kWarpKeys;       // slots per pipeline stage
     static_assert(kTileKeys == kDecodeMmaTileKeys, "the split plan rounds to this tile");
-    // Stages: 2 (64 KiB at head_dim 128) fits three CTAs on an SM of 228 KiB. Measured on an H200
-    // (GQA 4, bf16): 128K keys at 0.867 / 0.822 / 0.548 of copy bandwidth with 2 / 3 / 4 stages (3 and
-    // 2 CTAs, then 1 per SM): more CTAs in flight beat deeper pipelines per CTA.
-    static constexpr int kStages = CONDUIT_DECODE_MMA_STAGES;
+    // cp.async stages of K/V tiles: 2 (64 KiB at head_dim 128) fit three CTAs on an SM of 228 KiB,
+    // and more CTAs in flight stream the keys faster than deeper pipelines in fewer CTAs.
+    static constexpr int kStages = 2;
     static constexpr int kRowChunks = kHeadDim / 8;            // 16-byte chunks of a K or V row
     static constexpr int kTileChunks = kTileKeys * kRowChunks; // one K (or V) tile
     static constexpr int kStageChunks = 2 * kTileChunks;       // K then V
@@ -344,8 +338,7 @@ template <typename F> void dispatch_decode(DType dtype, int32_t head_dim, int32_
 } // namespace
 
 bool decode_mma_applies(DType dtype, int32_t head_dim, int32_t group) {
-    static const bool enabled = env_not_zero("CONDUIT_DECODE_MMA");
-    return enabled && mma_tiles_fit(dtype, head_dim) && group >= 2 && group <= 16;
+    return mma_tiles_fit(dtype, head_dim) && group >= 2 && group <= 16;
 }
 
 int64_t decode_mma_resident_ctas(DType dtype, int32_t head_dim, int32_t group) {

@@ -18,16 +18,12 @@
 // by each warp on its own, with warp votes over the tile's 64 positions (two per lane, loaded one
 // iteration early): every warp reads the same positions against the same CTA range
 // [min_q_pos, max_q_pos], so all reach the same decision without a CTA-wide vote.
-// Why: with the earlier loop's four barriers per tile (two CTA votes, data ready, stage free) the 8
-// warps of a CTA stayed in lock step, all in Q K^T, then all in the softmax, and the tensor pipe
-// idled in between (Nsight Compute on an H200: issue slots 34% busy, 0.49 eligible warps per
-// scheduler). One barrier lets warps drift apart by up to a tile, and two tiles in flight give the
-// copies a whole tile's compute more to land. Measured against the earlier loop on an H200 (same run,
-// docs/benchmarks/prefill_attention/): 7-12% more TFLOP/s on every shape, bit-identical results.
+// Why one barrier: with a barrier for each of those jobs the warps of a CTA stay in lock step, all in
+// Q K^T, then all in the softmax, with the tensor pipe idle in between. One barrier lets warps drift
+// apart by up to a tile, and two tiles in flight give the copies a whole tile's compute to land.
 // A tile's copies take their pool block ids from registers loaded a tile early (TileBlocks), so that
-// no table read stalls the copies after the barrier: with the reads done per chunk, each behind a
-// branch, the copies cost four cache round trips a tile (a 4K chunk 691 -> 628 us, CONDUIT's
-// recompute 503 -> 402 us on an H200, tenth session).
+// no table read stalls the copies after the barrier (read per chunk, each behind a branch, they would
+// cost several cache round trips a tile).
 #pragma once
 
 #include <math_constants.h>
@@ -178,9 +174,9 @@ __device__ __forceinline__ void issue_tile_copies(const AttentionParams &p,
 // The end of the key tiles [tile_begin, tile_end) that the CTA needs: one past the last tile holding
 // a slot its latest query (max_q_pos) sees (tile_begin when none does). Why: in a causal prefill
 // chunk, and in CONDUIT's recompute, a CTA's queries see only a prefix of the keys, and every tile
-// past it still cost the loop a barrier, the positions' round trip and the votes: half the loop's
-// iterations on a 4K chunk (Nsight Compute on an H200). The scan (visible_slot_bounds) runs while
-// the loop's first tiles load. Call from all threads (kWarps warps); kOneCallSite as
+// past it would still cost the loop a barrier, the positions' round trip and the votes (half the
+// loop's iterations on a long causal chunk). The scan (visible_slot_bounds) runs while the loop's
+// first tiles load. Call from all threads (kWarps warps); kOneCallSite as
 // visible_slot_bounds's.
 template <int kWarps, int kKeys, bool kOneCallSite = true>
 __device__ __forceinline__ int32_t visible_tile_end(const AttentionParams &p, int32_t max_q_pos, int32_t tile_begin,
@@ -243,7 +239,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
     // stays untouched until the barrier of iteration t + 2: on_tile(t + 1) may still read it (the
     // attention's P V product of tile t runs during tile t + 1's softmax).
     constexpr int kAhead = kWgmmaLayout ? S::kStages - 2 : S::kStages - 1;
-    static_assert(kAhead >= 1, "at least one tile ahead: the wgmma build needs CONDUIT_MMA_STAGES >= 3");
+    static_assert(kAhead >= 1, "at least one tile ahead: the wgmma loop needs kMmaStages >= 3");
     // The views of the tiles in flight, 2 bits each: bits 2k, 2k + 1 are tile + k's (0: hidden, also
     // for tiles past the end).
     uint32_t views = 0;
@@ -286,18 +282,12 @@ __device__ __forceinline__ void for_each_key_tile(const AttentionParams &p, int3
 
 
 // The shape of for_each_key_tile_specialized's CTA (below; sm_90a only): its threads, their register
-// budgets and its shared memory, which the host sizes launches with. Build-time knobs for A/B runs:
-// CONDUIT_PRODUCER_STAGES and CONDUIT_PRODUCER_UNROLL (on an H200, 4 stages and 8 rows at once beat 3
-// and 4: 426 against 445 us on a 4K chunk; 5 stages, no faster than 4).
-#ifndef CONDUIT_PRODUCER_STAGES
-#define CONDUIT_PRODUCER_STAGES 4
-#endif
-#ifndef CONDUIT_PRODUCER_UNROLL
-#define CONDUIT_PRODUCER_UNROLL 8
-#endif
+// budgets and its shared memory, which the host sizes launches with.
 template <int kHeadDim, int kWarps> struct SpecializedRing {
     using S = MmaShape<kHeadDim, kWarps>;
-    static constexpr int kStages = CONDUIT_PRODUCER_STAGES;
+    // 4 stages: the producer runs two tiles ahead of the one computed (a third stage is still read
+    // by its P V); a fifth leaves the loop no faster and costs occupancy.
+    static constexpr int kStages = 4;
     static_assert(kStages >= 3, "on_tile(t) still reads tile t - 1's stage: 3 stages or more");
     static constexpr int kProducerThreads = 128;
     static constexpr int kThreads = S::kThreads + kProducerThreads;
@@ -305,7 +295,9 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
     static_assert(kWarps != 8 || S::kThreads * kConsumerRegisters + kProducerThreads * kProducerRegisters <=
                                      kThreads * (65536 / kThreads / 8 * 8),
                   "the register budgets fit the CTA's");
-    static constexpr int kCopyUnroll = CONDUIT_PRODUCER_UNROLL; // rows a producer thread copies at once
+    // Rows a producer thread copies at once: 8 keep enough copies in flight for the consumers within
+    // the producer's small register budget.
+    static constexpr int kCopyUnroll = 8;
     // The barriers' counts: every producer thread's copies and the view's writer (full); lane 0 of
     // every consumer warp (empty).
     static constexpr int kFullArrivals = kProducerThreads + 1;
@@ -320,12 +312,10 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 
 #if CONDUIT_WGMMA
 // The key-tile loop of the wgmma attention with a producer warpgroup (warp specialization, as in
-// FlashAttention-3). In for_each_key_tile the warps that compute also copy their tiles (~200 of a
-// warp's ~600 instructions a 64-key tile) and meet at a CTA barrier every tile; leaving both out made
-// a 4K prefill chunk 16% faster on an H200 (timing probes, docs/benchmarks/runs.md, twelfth session).
-// Here a fourth warpgroup (threads S::kThreads .. S::kThreads + 127) gathers the tiles, and the kWarps
-// consumer warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier
-// proved:
+// FlashAttention-3). In for_each_key_tile the warps that compute also copy their tiles (about a third
+// of a warp's instructions a 64-key tile) and meet at a CTA barrier every tile; here a third
+// warpgroup (threads S::kThreads .. S::kThreads + 127) gathers the tiles, and the kWarps consumer
+// warps only wait for them and compute. Shared-memory barriers carry what the CTA barrier proved:
 //   full[s]: stage s holds its tile: each producer thread arrives with cp.async.mbarrier.arrive.noinc,
 //     which fires when the thread's copies have landed, and the producer's thread 0, which stores
 //     the tile's view (hidden, open or masked), arrives once more after it: count kFullArrivals.
@@ -336,18 +326,17 @@ template <int kHeadDim, int kWarps> struct SpecializedRing {
 // Every shared-memory read of a stage is by wgmma or by the lane that arrives for it: lane 0 of a
 // consumer warp reads the view and shuffles it to the others. The positions that mask a tile do not
 // travel through the ring: each consumer warp reads them from global memory a tile ahead, into
-// registers, and stores those of a masked tile into shared memory of its own. (An earlier form had
-// the producer's first warp publish positions and view with each stage, read by every consumer
-// thread: with one lane's release after __syncwarp racecheck reported the reads, and with an
-// arrival from every reader the 4K chunk took 457 us against 435 (H200); the consumers voting for
-// the view themselves, 443 us; this form, 432. docs/benchmarks/runs.md, fourteenth session.)
+// registers, and stores those of a masked tile into shared memory of its own. (Positions published
+// with each stage would need every consumer thread that reads them to arrive on the empty barrier,
+// or one lane's release after __syncwarp, which racecheck reports; either costs more than each warp
+// reading its own.)
 // Ring tile m = tile - tile_begin uses stage m % kStages in phase m / kStages of both barriers. The
 // producer fills every stage before the positions scan (visible_tile_end, all threads), then runs as
 // far ahead as the empty barriers let it: kStages - 2 tiles ahead of the tile being computed. The
-// producer is on the consumers' critical path whenever it falls behind (Nsight Compute on an H200:
-// with its table reads one row at a time, the consumers spent 9% of their samples waiting on full),
-// so a tile's positions are read before the wait that precedes its copies, and its pool blocks all
-// at once after it (with them read early too, the producer needs more registers than 56). Tiles
+// producer is on the consumers' critical path whenever it falls behind (its table reads one row at a
+// time would leave the consumers waiting on full), so a tile's positions are read before the wait
+// that precedes its copies, and its pool blocks all at once after it (with them read early too, the
+// producer would need more registers than kProducerRegisters). Tiles
 // past the scan's end hold no visible slot, so they got no copies (their stages' full barriers
 // complete with nobody waiting); the producer waits for its last copies before it leaves. Registers:
 // the CTA's 384 threads start at 168 (the launch bound); the producer gives all but
@@ -385,9 +374,8 @@ __device__ __forceinline__ bool for_each_key_tile_specialized(const AttentionPar
         // What the tile shows the CTA (each warp works it out for its copies), then its copies (unless
         // hidden): the rows and layout of copy_key_tile, the pool blocks of all of a thread's rows read
         // at once, then kCopyUnroll rows' copies at a time (registers for all of them would come out of
-        // the consumers'). (copy_key_tile itself, given the first thread and the unroll, compiles to 8
-        // more instructions a head-dim-128 kernel, V copies' addresses no longer folded: unmeasured, so
-        // not swapped in yet.)
+        // the consumers'). (Not copy_key_tile itself: given the first thread and the unroll, it folds
+        // the V copies' addresses less well, 8 more instructions a head-dim-128 kernel.)
         const auto fill_stage = [&](int32_t tile, LanePositions pos, int stage) {
             const TileSlots slots = tile_slots(p, tile * S::kKeys, pos, max_q_pos, min_q_pos);
             if (threadIdx.x == S::kThreads) {

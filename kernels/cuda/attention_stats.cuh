@@ -38,7 +38,7 @@ void given_score_stats(const StatsParams &sp, const float *lse, cudaStream_t str
 void reduce_key_stats(const StatsParams &sp, float *mass, float *n_below, cudaStream_t stream);
 
 // Whether the tensor-core path (bf16/f16, head_dim 64 or 128, q 16-byte aligned) serves these
-// statistics. CONDUIT_STATS_MMA=0 in the environment turns it off (read once; for A/B measurements).
+// statistics; the CUDA-core path (attention_stats.cu) serves the rest.
 bool mma_stats_applies(DType dtype, int32_t head_dim, const void *q);
 
 // Runs the four launches on tensor cores for p (from attention_params); with lse_in (natural log,

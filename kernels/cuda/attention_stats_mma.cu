@@ -368,8 +368,7 @@ void launch_typed(const AttentionParams &p, float threshold, float *mass, float 
 } // namespace
 
 bool mma_stats_applies(DType dtype, int32_t head_dim, const void *q) {
-    static const bool enabled = env_not_zero("CONDUIT_STATS_MMA");
-    return enabled && mma_tiles_fit(dtype, head_dim) && aligned16(q);
+    return mma_tiles_fit(dtype, head_dim) && aligned16(q);
 }
 
 void launch_mma_stats(const AttentionParams &p, DType dtype, float threshold, float *mass, float *n_below, float *lse,

@@ -10,7 +10,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -77,13 +76,6 @@ template <typename F> void dispatch_dtype(DType dtype, F &&f) {
 // Streaming multiprocessors of the current device (runtime.cu).
 int32_t sm_count();
 
-// False when the environment variable `name` is "0" (a path or feature turned off for measuring the
-// other: CONDUIT_DECODE_MMA, CONDUIT_PDL, ...); read by the caller once per process.
-inline bool env_not_zero(const char *name) {
-    const char *value = std::getenv(name);
-    return !(value && value[0] == '0' && value[1] == '\0');
-}
-
 // ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (PDL, sm_90+)
 // ---------------------------------------------------------------------------------------------
@@ -108,15 +100,9 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Whether launch_chained launches with PDL on the current device: compute capability >= 9.0 and
-// the environment variable CONDUIT_PDL not "0" (runtime.cu; read once per device).
+// Whether launch_chained launches with PDL on the current device: compute capability >= 9.0
+// (runtime.cu; asked once per device).
 bool chained_launch_enabled();
-
-// Whether a decode step's attention overlaps the K/V write before it (with PDL): the write lets it be
-// scheduled at once, and it streams its first tiles before its wait (AttentionParams::
-// tiles_before_wait). CONDUIT_DECODE_OVERLAP=0 in the environment (read once) turns both off, for
-// A/B runs; the results are the same bits (runtime.cu).
-bool decode_overlap_enabled();
 
 // kernel<<<grid, block, smem, stream>>>(args...), with PDL where chained_launch_enabled(). The
 // kernel must begin with wait_for_prior_grids() (see above).

@@ -67,7 +67,6 @@ template <typename T> struct LastSlotRows {
     int64_t v_delta;
     int32_t block_shift;
     int32_t head_dim;
-    bool overlap_attention; // decode_overlap_enabled(): the next kernel may be scheduled before our wait
 
     __device__ int64_t offset(int32_t token, int32_t head) const {
         const int32_t slot = n_tokens[token] - 1;
@@ -78,7 +77,8 @@ template <typename T> struct LastSlotRows {
     __device__ T *k_row(int32_t token, int32_t head) const { return pool + offset(token, head); }
     __device__ T *v_row(int32_t token, int32_t head) const { return pool + offset(token, head) + v_delta; }
     __device__ LastSlotRows at_layer(int32_t) const { return *this; }
-    __device__ bool dependents_first() const { return overlap_attention; }
+    // The decode step's attention after this write may be scheduled at once (move_rows_kernel).
+    __device__ bool dependents_first() const { return true; }
 };
 
 __global__ void scatter_ints_kernel(int32_t *dst, const int32_t *pairs, int32_t n_pairs) {
@@ -94,8 +94,8 @@ template <typename T, int kVec> struct alignas(sizeof(T) * kVec) Pack {
 // cos and sin, times the scaling, of every frequency at the RoPE positions of tokens first ..
 // first + count - 1, into table[2 (t nf + f)] and table[2 (t nf + f) + 1] (t = token - first). A
 // CTA's rows are heads of a few consecutive tokens: computing each (token, frequency) pair once,
-// not once per head and element, took the precise cosf/sinf out of the copy's critical path (a
-// restore of 8 LLaVA images rotates 600M elements).
+// not once per head and element, keeps the precise cosf/sinf out of the copy's critical path (a
+// restore of several images rotates hundreds of millions of elements).
 __device__ void fill_rope_table(float *table, const Rope &rope, const int32_t *rope_pos, int32_t n, int32_t first,
                                 int32_t count) {
     const int32_t nf = rope.n_freq;
@@ -159,10 +159,9 @@ __device__ void rotate_chunk(Pack<T, kVec> &chunk, bool active, int32_t p, int32
 // threads in one warp and rotate-half pairs falling on whole chunks, launch_rows decides) trades
 // chunks between lanes (rotate_chunk), shared memory holding only the cos/sin table of the block's
 // tokens (rows per block * head_dim floats); otherwise the block stages its K rows in shared memory
-// as float32 first (2 * rows per block * head_dim floats: the rows, then the table). Staging was the
-// only way before: it left the restore of 8 LLaVA images (2.4 GB read) at 0.40 of the copy
-// bandwidth on an H200, where the same copy without RoPE ran at 0.90, with the SM's L1/shared-memory
-// pipe saturated and DRAM at 27% (tools/bench_kv_copy.py, Nsight Compute).
+// as float32 first (2 * rows per block * head_dim floats: the rows, then the table). Registers are
+// preferred: staging saturates the SM's L1/shared-memory pipe and leaves a large restore (several
+// images into every layer) well below the copy bandwidth that the same copy without RoPE reaches.
 template <typename T, int kVec, bool kInRegisters, typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     move_rows_kernel(Src all_src, Dst all_dst, int32_t n, int32_t n_kv_heads, int32_t head_dim, Rope rope,
@@ -170,9 +169,9 @@ __global__ void __launch_bounds__(kThreads)
     extern __shared__ float k_staged[];
     // A decode step's K/V write lets the attention after it be scheduled at once, while the projection
     // before this kernel drains: before its own wait, that kernel reads nothing the step's kernels
-    // write (attention_shape.cuh, tiles_before_wait). Only here: letting every kernel of the step
-    // schedule its successor this early (the norms, the GEMVs) made the step slower on an H200
-    // (docs/benchmarks/runs.md, seventh session).
+    // write (attention_shape.cuh, tiles_before_wait). Only here: a kernel scheduled early holds SM
+    // slots while it waits, which pays only where the next kernel is one wave of small CTAs; early
+    // GEMV CTAs would take the slots the running GEMV's last wave needs.
     if (all_dst.dependents_first()) allow_dependent_launch();
     wait_for_prior_grids(); // launched chained: the rows and positions may be the previous kernel's
     allow_dependent_launch();
@@ -334,8 +333,8 @@ void write_last(const BatchView &dst, const void *k, const void *v, const Rope &
     dispatch_dtype(dst.dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
         const PagedRows<T> shape = paged_rows<T>(layout, Slots{}); // checks block_size; gives the geometry
-        const LastSlotRows<T> out{shape.pool, dst.block_tables, dst.n_tokens, dst.table_stride, shape.block_elems,
-                                  shape.v_delta, shape.block_shift, dst.head_dim, decode_overlap_enabled()};
+        const LastSlotRows<T> out{shape.pool,    dst.block_tables, dst.n_tokens, dst.table_stride, shape.block_elems,
+                                  shape.v_delta, shape.block_shift, dst.head_dim};
         const DenseRows<T> in{static_cast<T *>(const_cast<void *>(k)), static_cast<T *>(const_cast<void *>(v)),
                               dst.n_kv_heads, dst.head_dim};
         const bool aligned = aligned16(k) && aligned16(v) && aligned16(dst.pool);

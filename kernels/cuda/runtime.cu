@@ -82,7 +82,7 @@ void memset_zero(void *dst, size_t bytes, void *stream) {
 namespace {
 
 // Host-to-device uploads go through a ring of pinned memory: a cudaMemcpyAsync from pageable memory
-// first waits for the whole stream (the runtime's staging is synchronous), which stalled the host
+// first waits for the whole stream (the runtime's staging is synchronous), which would stall the host
 // behind the GPU on every decode step (a block-table and position update per layer). Each upload is
 // copied into the ring, the DMA is enqueued, and an event marks when that region may be reused.
 class PinnedRing {
@@ -182,18 +182,13 @@ int32_t sm_count() {
     return sms > 0 ? sms : 1;
 }
 
-bool decode_overlap_enabled() {
-    static const bool enabled = env_not_zero("CONDUIT_DECODE_OVERLAP");
-    return enabled;
-}
-
 bool chained_launch_enabled() {
     static std::atomic<int> decided[64]; // 1: off, 2: on
     return once_per_device(decided, [] {
         int device = 0, major = 0;
         CUDA_CHECK(cudaGetDevice(&device));
         CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-        return major >= 9 && env_not_zero("CONDUIT_PDL") ? 2 : 1;
+        return major >= 9 ? 2 : 1;
     }) == 2;
 }
 

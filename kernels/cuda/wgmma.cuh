@@ -4,10 +4,9 @@
 //
 // Why: with mma.sync m16n8k16 the attention issues ~7 instructions per tensor-core instruction (the
 // ldmatrix of every K and V fragment by every warp, the address arithmetic, the softmax), and with
-// two warps a scheduler it stays latency-bound (Nsight Compute on an H200: issue slots 36% busy,
-// tensor pipe ~31%; docs/benchmarks/runs.md). A warpgroup's wgmma reads K and V from shared memory
-// itself: one instruction per 64 x N x 16 product, no ldmatrix, and the tensor core runs it
-// asynchronously while the warp goes on.
+// two warps a scheduler it stays latency-bound, the tensor pipe mostly idle. A warpgroup's wgmma
+// reads K and V from shared memory itself: one instruction per 64 x N x 16 product, no ldmatrix, and
+// the tensor core runs it asynchronously while the warp goes on.
 //
 // Layout of a K or V tile of kKeys key rows x kHeadDim dims (T = bf16/f16), as the 128-byte swizzle
 // of the PTX ISA ("Shared Memory Matrix Layout", 128B swizzling): the dims are cut into blocks of 64
@@ -30,15 +29,15 @@
 
 #include <cstdint>
 
-// The wgmma path exists in device code built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a);
-// CONDUIT_NO_WGMMA=1 at build time keeps mma.sync there too, for A/B runs. The CPU emulator
-// (emu/) runs it with CONDUIT_EMU_WGMMA=1 (`run_emu.py -D CONDUIT_EMU_WGMMA=1`), on its scalar model
-// of the instruction, synchronously: it checks the layouts and the indexing, not the async ordering.
+// The wgmma path exists in device code built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a). The CPU
+// emulator (emu/) runs it with CONDUIT_EMU_WGMMA=1 (`run_emu.py -D CONDUIT_EMU_WGMMA=1`), on its
+// scalar model of the instruction, synchronously: it checks the layouts and the indexing, not the
+// async ordering.
 #if defined(CONDUIT_CUDA_EMULATION) && defined(CONDUIT_EMU_WGMMA) && CONDUIT_EMU_WGMMA
 #define CONDUIT_WGMMA 1
 #elif defined(CONDUIT_CUDA_EMULATION)
 #define CONDUIT_WGMMA 0
-#elif defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && !CONDUIT_NO_WGMMA
+#elif defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CONDUIT_WGMMA 1
 #else
 #define CONDUIT_WGMMA 0
@@ -200,8 +199,9 @@ __device__ __forceinline__ void wgmma_issue_scores(const uint32_t (&q_frag)[kHea
 // A fragments of keys 16 k.., v_tile the V tile in the wgmma layout. Issues and commits one group;
 // acc, p_frag and v_tile are in use until the caller's wgmma_wait for it (then
 // wgmma_fence_operands(acc)). Write nothing into p_frag's registers before that wait, not even
-// through new variables: ptxas may give a value computed before the wait the registers of p_frag
-// (it did, and the outputs came out wrong on an H200); tools/check_wgmma_sass.py checks the SASS.
+// through new variables: ptxas may give a value computed before the wait the registers of p_frag,
+// and the product then reads it (wrong outputs that the synchronous emulator cannot show);
+// tools/check_wgmma_sass.py checks the SASS.
 template <typename T, int kHeadDim, int kKeys>
 __device__ __forceinline__ void wgmma_accumulate_pv(const uint32_t (&p_frag)[kKeys / 16][4], const uint4 *v_tile,
                                                     float (&acc)[kHeadDim / 8][4]) {

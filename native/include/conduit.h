@@ -139,6 +139,18 @@ CONDUIT_API void conduit_set_log_callback(conduit_log_fn fn, void *user_data, in
 /* Arena                                                                                        */
 /* ============================================================================================ */
 
+/* Launch choices of the CUDA kernels, carried by the arena (conduit_arena_params.tuning), for a GPU
+ * where a default is not the fastest (the defaults follow the device's SM count and occupancy;
+ * measure before changing one). A field's 0 selects its default; the CPU backend ignores them. Any
+ * value gives the same results up to float rounding (another key split sums its partials in another
+ * order). Both fields shape conduit_seq_attention's many-query tensor-core path: bf16/f16 layers,
+ * head_dim 64 or 128, 16 or more queries (or 64 or more query rows counting GQA heads). */
+typedef struct conduit_tuning {
+    int32_t mma_warps;       /* warps per CTA, 4 or 8 (0: 8 while 8-warp CTAs fill every SM twice, else 4) */
+    int32_t mma_split_waves; /* waves of resident CTAs that its key splits fill when its unsplit CTAs
+                                leave SMs idle, 1..8 (0: 1) */
+} conduit_tuning;
+
 /* Block layout, per block and per layer-slot of it: K [n_kv_heads, block_size, head_dim] then V of
  * the same shape, in the arena dtype. One block holds block_size tokens of ONE layer of one
  * sequence or image entry, so a layer's keys of one KV head lie in contiguous runs of
@@ -153,14 +165,15 @@ typedef struct conduit_arena_params {
     int32_t block_size;       /* tokens per block, a power of two in [1, 256] */
     size_t kv_bytes;          /* bytes of the block pool; rounded down to whole blocks, >= 1 block */
     size_t image_cache_bytes; /* LRU budget of the image store (0: no image store) */
+    conduit_tuning tuning;    /* CUDA launch choices (all 0: the defaults) */
 } conduit_arena_params;
 
 /* Defaults: CPU, device 0, F32, 1 layer, 1 KV head, head_dim 128, block_size 16, kv_bytes 64 MiB,
- * image_cache_bytes 0. */
+ * image_cache_bytes 0, tuning all 0. */
 CONDUIT_API conduit_arena_params conduit_arena_default_params(void);
 
 /* Creates an arena and allocates its whole pool at once. On success *out owns it; free it with
- * conduit_arena_free. Errors: INVALID_ARGUMENT (a field out of range), UNSUPPORTED (backend not
+ * conduit_arena_free. Errors: INVALID_ARGUMENT (a field out of range, tuning's too), UNSUPPORTED (backend not
  * compiled or no device), OUT_OF_MEMORY. On error *out is set to NULL. */
 CONDUIT_API conduit_status conduit_arena_create(const conduit_arena_params *params, conduit_arena **out);
 
@@ -185,6 +198,7 @@ typedef struct conduit_rope_params {
  * its previous RoPE on error. */
 CONDUIT_API conduit_status conduit_arena_set_rope(conduit_arena *arena, const conduit_rope_params *rope);
 
+/* Exact counts of an arena's pool, sequences and image store (conduit_arena_get_stats). */
 typedef struct conduit_arena_stats {
     int64_t n_blocks_total;    /* blocks in the pool */
     int64_t n_blocks_free;     /* blocks on the free list */
@@ -203,7 +217,8 @@ typedef struct conduit_arena_stats {
 /* Fills *out with exact counts. Errors: INVALID_ARGUMENT (null pointer). */
 CONDUIT_API conduit_status conduit_arena_get_stats(const conduit_arena *arena, conduit_arena_stats *out);
 
-/* Returns the params the arena was created with (kv_bytes rounded to whole blocks). */
+/* Returns the params the arena was created with (kv_bytes rounded to whole blocks), or the defaults
+ * for a NULL arena. */
 CONDUIT_API conduit_arena_params conduit_arena_get_params(const conduit_arena *arena);
 
 /* ============================================================================================ */
@@ -276,7 +291,8 @@ CONDUIT_API conduit_status conduit_seq_write_kv(conduit_seq *seq, int32_t layer,
  * h / (n_heads / n_kv_heads)); out: device [n_q, n_heads, head_dim], arena dtype; lse: device
  * float32 [n_q, n_heads], the natural-log log-sum-exp of the scaled scores, or NULL. A query that
  * sees no key gets out = 0 and lse = -inf. One entry point serves prefill chunks, scattered
- * recompute queries and single-token decode. Errors: INVALID_ARGUMENT. */
+ * recompute queries and single-token decode; the arena's tuning shapes the CUDA launch for many
+ * queries (conduit_tuning). Errors: INVALID_ARGUMENT. */
 CONDUIT_API conduit_status conduit_seq_attention(conduit_seq *seq, int32_t layer, int32_t n_q, int32_t n_heads,
                                                  const void *q, const int32_t *q_pos, float scale, void *out, float *lse,
                                                  void *stream);
@@ -438,9 +454,8 @@ CONDUIT_API conduit_status conduit_step_attention(conduit_step *step, int32_t la
 
 /* conduit_step_write_kv(step, layer, k, v, rope_pos) then conduit_step_attention(step, layer, q, scale,
  * out, lse), with the same arguments and the same results to the bit, in fewer kernels: on CUDA the
- * attention writes the new rows itself before it reads them, one kernel less per layer (a LLaVA-7B
- * step on an H200: write and attention 0.84 -> 0.80 ms of ~4.2). Capturable. Errors: those of the
- * two. */
+ * attention writes the new rows itself before it reads them, one kernel less per layer on the step's
+ * critical path. Capturable. Errors: those of the two. */
 CONDUIT_API conduit_status conduit_step_write_kv_attention(conduit_step *step, int32_t layer, const void *k,
                                                            const void *v, const int32_t *rope_pos, const void *q,
                                                            float scale, void *out, float *lse, void *stream);

@@ -66,6 +66,10 @@ void check_params(const conduit_arena_params &p) {
                     block_bytes);
     CONDUIT_REQUIRE(p.kv_bytes / block_bytes <= size_t(INT32_MAX), "kv_bytes = %zu gives more than 2^31 blocks",
                     p.kv_bytes);
+    CONDUIT_REQUIRE(p.tuning.mma_warps == 0 || p.tuning.mma_warps == 4 || p.tuning.mma_warps == 8,
+                    "tuning.mma_warps = %d must be 0 (the default), 4 or 8", p.tuning.mma_warps);
+    CONDUIT_REQUIRE(p.tuning.mma_split_waves >= 0 && p.tuning.mma_split_waves <= 8,
+                    "tuning.mma_split_waves = %d out of range [0, 8] (0: the default)", p.tuning.mma_split_waves);
 }
 
 } // namespace
@@ -464,7 +468,7 @@ conduit_status conduit_topk(conduit_backend backend, int32_t device, const float
         CONDUIT_REQUIRE(k >= 0 && k <= n, "k = %d out of range [0, n = %d]", k, n);
         CONDUIT_REQUIRE(index_type == CONDUIT_INDEX_I32 || index_type == CONDUIT_INDEX_I64, "unknown index_type %d",
                         int(index_type));
-        const Device dev(backend, device);
+        const Device dev(backend, device, kernels::Tuning{}); // top-k has no launch choices to tune
         const size_t needed = dev.topk_workspace_bytes(n);
         CONDUIT_REQUIRE(workspace_bytes >= needed, "workspace_bytes = %zu, top-k of %d scores needs %zu",
                         workspace_bytes, n, needed);

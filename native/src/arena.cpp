@@ -48,10 +48,17 @@ int64_t compute_n_blocks(const conduit_arena_params &p) {
     return bb ? int64_t(p.kv_bytes / bb) : 0;
 }
 
+kernels::Tuning kernel_tuning(const conduit_tuning &t) {
+    kernels::Tuning out;
+    out.mma_warps = t.mma_warps;
+    out.mma_split_waves = t.mma_split_waves;
+    return out;
+}
+
 } // namespace
 
 conduit_arena::conduit_arena(const conduit_arena_params &p)
-    : params(p), device(p.backend, p.device), block_bytes(compute_block_bytes(p)), pool(compute_n_blocks(p)) {
+    : params(p), device(p.backend, p.device, kernel_tuning(p.tuning)), block_bytes(compute_block_bytes(p)), pool(compute_n_blocks(p)) {
     params.kv_bytes = size_t(pool.n_blocks()) * block_bytes;
     pool_memory = device.alloc(params.kv_bytes);
     log(CONDUIT_LOG_INFO, "arena: %lld blocks of %zu bytes (%s)", (long long)pool.n_blocks(), block_bytes,

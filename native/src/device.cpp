@@ -42,7 +42,8 @@ bool backend_available(conduit_backend backend) {
     return true;
 }
 
-Device::Device(conduit_backend backend, int32_t ordinal) : backend_(backend), ordinal_(ordinal) {
+Device::Device(conduit_backend backend, int32_t ordinal, const kc::Tuning &tuning)
+    : backend_(backend), ordinal_(ordinal), tuning_(tuning) {
     if (!backend_compiled(backend)) fail(CONDUIT_ERR_UNSUPPORTED, "the CUDA backend was not compiled into this library");
 #ifdef CONDUIT_WITH_CUDA
     if (is_cuda()) {
@@ -152,7 +153,7 @@ void Device::read_dense(const kc::LayerView &src, void *k_out, void *v_out, void
 
 void Device::attention(const kc::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                        float scale, void *out, float *lse, void *stream) const {
-    CONDUIT_DISPATCH(attention(kv, n_q, n_heads, q, q_pos, scale, out, lse, stream));
+    CONDUIT_DISPATCH(attention(kv, n_q, n_heads, q, q_pos, scale, out, lse, tuning_, stream));
 }
 
 void Device::attention_stats(const kc::LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,

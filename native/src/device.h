@@ -14,7 +14,8 @@ namespace conduit {
 
 class Device {
   public:
-    Device(conduit_backend backend, int32_t ordinal);
+    // `tuning` (conduit_tuning, checked by the caller) goes to the kernels whose launch it shapes.
+    Device(conduit_backend backend, int32_t ordinal, const kernels::Tuning &tuning);
     ~Device(); // frees the recycled int arrays
     Device(const Device &) = delete;
     Device &operator=(const Device &) = delete;
@@ -69,6 +70,7 @@ class Device {
     void activate() const; // makes the CUDA device current
     conduit_backend backend_;
     int32_t ordinal_;
+    kernels::Tuning tuning_;
     mutable std::map<size_t, std::vector<int32_t *>> spare_ints_; // capacity -> recycled arrays
 };
 

@@ -3,13 +3,11 @@
 on random inputs, and runs it.
 
     python3 kernels/cuda/emu/run_emu.py            # on the CPU emulator (emu.h): g++ (C++20) and
-                                                   # the CUDA headers, no GPU or driver needed; then
-                                                   # the stats tests again with CONDUIT_STATS_MMA=0
-                                                   # and the decode ones with CONDUIT_DECODE_MMA=0
-                                                   # and CONDUIT_LAST_CTA_MERGE=0 (same bits)
+                                                   # the CUDA headers, no GPU or driver needed
     python3 kernels/cuda/emu/run_emu.py -D CONDUIT_EMU_WGMMA=1   # the many-query attention's Hopper
                                                    # path (wgmma.cuh) on the emulator's model of wgmma
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
+    python3 kernels/cuda/emu/run_emu.py --grid decode   # one grid alone: stats, split, decode, merge
 """
 import argparse
 import os
@@ -58,7 +56,7 @@ def split_top_level(text: str) -> list:
     return parts
 
 
-def run_on_gpu(build: pathlib.Path, arch: str, defines: list[str]) -> int:
+def run_on_gpu(build: pathlib.Path, arch: str, defines: list[str], grid: list[str]) -> int:
     build.mkdir(parents=True, exist_ok=True)
     binary = build / "test_cuda_kernels_gpu"
     units = sorted(CUDA_DIR.glob("*.cu")) + sorted((KERNELS_DIR / "cpu").glob("*.cpp")) + [HERE / "test_cuda_kernels.cpp"]
@@ -67,34 +65,7 @@ def run_on_gpu(build: pathlib.Path, arch: str, defines: list[str]) -> int:
     print(" ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
         return 1
-    return run_tests(binary)
-
-
-def run_tests(binary: pathlib.Path) -> int:
-    """Every test, then attention_stats and the decode grids again on their CUDA-core paths (bf16/f16
-    at head_dim 64/128 take them only with CONDUIT_STATS_MMA=0, CONDUIT_DECODE_MMA=0); the decode
-    grids on each path both with the splits merged in their last CTA and, CONDUIT_LAST_CTA_MERGE=0, by
-    the second launch: the outputs' hashes must be equal (the same bits)."""
-    if subprocess.call([str(binary)]) != 0:
-        return 1
-    print("CONDUIT_STATS_MMA=0:", flush=True)
-    if subprocess.call([str(binary), "stats"], env={**os.environ, "CONDUIT_STATS_MMA": "0"}) != 0:
-        return 1
-    for decode_mma in ("1", "0"):
-        hashes = []
-        for last_cta in ("1", "0"):
-            print(f"decode, CONDUIT_DECODE_MMA={decode_mma} CONDUIT_LAST_CTA_MERGE={last_cta}:", flush=True)
-            env = {**os.environ, "CONDUIT_DECODE_MMA": decode_mma, "CONDUIT_LAST_CTA_MERGE": last_cta}
-            run = subprocess.run([str(binary), "decode"], env=env, stdout=subprocess.PIPE, text=True)
-            print(run.stdout, end="", flush=True)
-            if run.returncode != 0:
-                return 1
-            hashes.append(re.search(r"decode outputs hash: (\w+)", run.stdout).group(1))
-        if hashes[0] != hashes[1]:
-            print(f"FAIL the last-CTA merge and the merge kernel differ: hashes {hashes[0]} and {hashes[1]}")
-            return 1
-        print(f"same outputs with both merges (hash {hashes[0]})", flush=True)
-    return 0
+    return subprocess.call([str(binary), *grid])
 
 
 def main() -> int:
@@ -104,12 +75,15 @@ def main() -> int:
     parser.add_argument("--gpu", action="store_true", help="build with nvcc and run on the GPU")
     parser.add_argument("--arch", default="native", help="nvcc -arch for --gpu")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="NAME=VALUE",
-                        help="a macro for the kernels' build-time knobs (e.g. CONDUIT_MHA_ATTN_STAGES=3)")
+                        help="a macro for the build (CONDUIT_EMU_WGMMA=1: the sm_90a path on the emulator)")
+    parser.add_argument("--grid", choices=["stats", "split", "decode", "merge"],
+                        help="run one grid of tests alone (default: all of them)")
     args = parser.parse_args()
     defines = [f"-D{d}" for d in args.define]
+    grid = [args.grid] if args.grid else []
     build = pathlib.Path(args.build_dir)
     if args.gpu:
-        return run_on_gpu(build, args.arch, defines)
+        return run_on_gpu(build, args.arch, defines, grid)
     src = build / "cuda"
     src.mkdir(parents=True, exist_ok=True)
     # One copy of the interface for every include path: kernels.h and the CPU backend beside it.
@@ -133,7 +107,7 @@ def main() -> int:
     print(" ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
         return 1
-    return run_tests(binary)
+    return subprocess.call([str(binary), *grid])
 
 
 if __name__ == "__main__":

@@ -136,18 +136,6 @@ void expect(bool ok, const std::string &what) {
     }
 }
 
-// FNV-1a of every attention output the tests produced (out and lse): run_emu.py compares it between
-// runs that merge the splits in the last CTA and in a second launch, which must give the same bits.
-uint64_t output_hash = 14695981039346656037ull;
-template <typename A, typename B> void hash_outputs(const A &out, const B &lse) {
-    const auto mix = [](const void *data, size_t bytes) {
-        for (size_t i = 0; i < bytes; ++i)
-            output_hash = (output_hash ^ static_cast<const unsigned char *>(data)[i]) * 1099511628211ull;
-    };
-    mix(out.data(), out.size() * sizeof(out[0]));
-    mix(lse.data(), lse.size() * sizeof(lse[0]));
-}
-
 // The order the emulator runs the CTAs of the next launches in (0: grid order; else shuffled from
 // the seed). A real GPU picks its own.
 void set_block_order(uint32_t seed) {
@@ -178,9 +166,11 @@ enum class Layout {
 
 // The CUDA attention against the CPU backend on a random layer (out and lse), then again without lse:
 // the same out, bit for bit. hidden_tiles: 64-slot key tiles no query sees (hide_tiles). `stream`:
-// the stream to run on (a fresh one gets a fresh workspace).
+// the stream to run on (a fresh one gets a fresh workspace). `tuning`: the launch choices of the
+// many-query tensor-core path (the CPU ignores them).
 void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens, int n_q, bool unaligned_q,
-                    Layout layout = Layout::kRandom, uint64_t hidden_tiles = 0, void *stream = nullptr) {
+                    Layout layout = Layout::kRandom, uint64_t hidden_tiles = 0, void *stream = nullptr,
+                    kc::Tuning tuning = {}) {
     const int n_heads = hk * group, max_pos = 60;
     Layer l = make_layer(dtype, hk, d, bs, n_tokens, max_pos);
     const size_t es = kc::dtype_size(dtype);
@@ -214,13 +204,14 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     Buf<unsigned char> out_cpu(out_elems * es), out_gpu(out_elems * es, 0xff), out_again(out_elems * es, 0xff);
     Buf<float> lse_cpu(size_t(n_q) * n_heads), lse_gpu(size_t(n_q) * n_heads, 123.0f);
     const float scale = 1.0f / std::sqrt(float(d));
-    kc::cpu::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_cpu.data(), lse_cpu.data(), nullptr);
-    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), lse_gpu.data(), stream);
+    kc::cpu::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_cpu.data(), lse_cpu.data(), tuning, nullptr);
+    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_gpu.data(), lse_gpu.data(), tuning, stream);
     device_sync();
-    char name[200];
-    std::snprintf(name, sizeof name, "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d layout=%d hidden=%llx",
+    char name[240];
+    std::snprintf(name, sizeof name,
+                  "attention %s hk=%d group=%d d=%d bs=%d n=%d n_q=%d unaligned=%d layout=%d hidden=%llx warps=%d waves=%d",
                   dtype_name(dtype), hk, group, d, bs, n_tokens, n_q, int(unaligned_q), int(layout),
-                  (unsigned long long)hidden_tiles);
+                  (unsigned long long)hidden_tiles, tuning.mma_warps, tuning.mma_split_waves);
     int bad = 0;
     for (size_t i = 0; i < out_elems; ++i) {
         const float a = kc::cpu::load(out_gpu.data(), int64_t(i), dtype), b = kc::cpu::load(out_cpu.data(), int64_t(i), dtype);
@@ -228,8 +219,7 @@ void test_attention(kc::DType dtype, int hk, int group, int d, int bs, int n_tok
     }
     for (size_t i = 0; i < lse_cpu.size(); ++i) bad += !close(lse_gpu[i], lse_cpu[i], 1e-4f, 1e-5f);
     expect(bad == 0, std::string(name) + " mismatches=" + std::to_string(bad));
-    hash_outputs(out_gpu, lse_gpu);
-    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_again.data(), nullptr, stream); // lse optional
+    kc::cuda::attention(l.view, n_q, n_heads, q, q_pos.data(), scale, out_again.data(), nullptr, tuning, stream); // lse optional
     device_sync();
     expect(std::memcmp(out_gpu.data(), out_again.data(), out_elems * es) == 0, std::string(name) + " without lse");
 }
@@ -304,8 +294,8 @@ void test_stats(kc::DType dtype, int hk, int group, int d, int bs, int n_tokens,
     }
 }
 
-// attention_stats over every dtype and head_dim; the grid of the tensor-core path (bf16/f16, head_dim
-// 64/128) unless CONDUIT_STATS_MMA=0 (run_emu.py runs this grid again with it).
+// attention_stats over every dtype and head_dim: the tensor-core path for bf16/f16 at head_dim 64/128,
+// the CUDA-core path for the rest.
 void test_stats_grid() {
     const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
     const int blocks[] = {1, 4, 16, 64, 256};
@@ -317,16 +307,20 @@ void test_stats_grid() {
     test_stats(kc::DType::F32, 1, 8, 64, 16, 300, 40, 0.5f); // query chunks in the key pass
     test_stats(kc::DType::F16, 2, 3, 64, 4, 50, 3, 0.0f);
     test_stats(kc::DType::BF16, 1, 2, 64, 4, 50, 3, 1.0f);
-    // The key-major first pass (score_max_lse_kernel; bf16 and f16 take it with CONDUIT_STATS_MMA=0) at
-    // the traits of the bench shape (bf16, head_dim 128, GQA group 1 and 4, up to 64 text queries): key counts off the 32-row tile, splits of several
-    // key tiles (the emulator reports 4 SMs), more than 64 queries (two query chunks), causal and
-    // scattered positions, thresholds 0 and 0.01; threshold 1 checks the max bit for bit.
-    for (float thr : {0.0f, 0.01f}) {
-        test_stats(kc::DType::BF16, 8, 1, 128, 16, 300, randint(8, 24), thr, true); // 10 tiles, 2 per split
-        test_stats(kc::DType::BF16, 2, 4, 128, 16, randint(150, 180), randint(65, 70), thr, false);
-        test_stats(kc::DType::BF16, 1, 4, 128, 16, 2100 + randint(1, 31), 4, thr, true); // 66 tiles
-        test_stats(kc::DType::F16, 1, 1, 64, 1, 97, 1, thr, randint(0, 1));
-    }
+    // The key-major CUDA-core first pass (score_max_lse_kernel) with the bench shape's traits (bf16,
+    // GQA groups 1 and 4, up to 64 text queries) at head_dim 96, where bf16 takes that path with the
+    // row layout of head_dim 128 (16 lanes a key row): key counts off the 32-row tile, splits of
+    // several key tiles (the emulator reports 4 SMs), more than 64 queries (two query chunks), causal
+    // and scattered positions, thresholds 0 and 0.01; threshold 1 checks the max bit for bit. The same
+    // cases at head_dim 128 (and f16 at 64) take the tensor-core path.
+    for (int d : {96, 128})
+        for (float thr : {0.0f, 0.01f}) {
+            test_stats(kc::DType::BF16, 8, 1, d, 16, 300, randint(8, 24), thr, true); // 10 tiles, 2 per split
+            test_stats(kc::DType::BF16, 2, 4, d, 16, randint(150, 180), randint(65, 70), thr, false);
+            test_stats(kc::DType::BF16, 1, 4, d, 16, 2100 + randint(1, 31), 4, thr, true); // 66 tiles
+            test_stats(kc::DType::F16, 1, 1, d == 96 ? 56 : 64, 1, 97, 1, thr, randint(0, 1));
+        }
+    test_stats(kc::DType::BF16, 8, 1, 96, 16, 301, 12, 1.0f, true);
     test_stats(kc::DType::BF16, 8, 1, 128, 16, 301, 12, 1.0f, true);
     test_stats(kc::DType::F32, 2, 3, 80, 4, 300, 67, 1.0f, false);
     // The tensor-core path at its edges: key counts off pass 1's 64-key tiles and pass 2's 128-key
@@ -624,7 +618,6 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     Buf<float> lse_gpu, lse_again;
     int bad = 0;
     check_batch_attention(cpu_view, gpu_view, n_heads, q, workspace, out_gpu, lse_gpu, bad);
-    hash_outputs(out_gpu, lse_gpu);
     expect(bad == 0, std::string(name) + " batch_attention mismatches=" + std::to_string(bad));
     for (int replay = 1; replay <= replays; ++replay) {
         set_block_order(uint32_t(replay));
@@ -673,8 +666,8 @@ void test_step_sizes(kc::DType dtype, int hk, int group, int d, int bs, int max_
 // several) and batch steps (one long sequence and short ones, some empty), lengths off the 64-slot
 // tile, at the shapes of the tensor-core decode (attention_mma_decode.cu): bf16/f16, head_dim 64/128,
 // GQA groups 2..16 (8 and below: half the mma rows are padding; 12: both halves) and multi-head
-// attention (group 1: the CUDA-core kernel, which decode_mma_applies keeps it on). Unless
-// CONDUIT_DECODE_MMA=0 (run_emu.py runs this grid again with it: the CUDA-core kernel).
+// attention (group 1: the CUDA-core kernel, which decode_mma_applies keeps it on); then the CUDA-core
+// kernel with GQA groups, at head_dim 96 (bf16: the row layout of head_dim 128).
 void test_decode_grid() {
     const int blocks[] = {1, 4, 16, 64};
     for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
@@ -688,6 +681,10 @@ void test_decode_grid() {
     test_step(kc::DType::F16, 2, 8, 64, 64, 3, 64, 0);           // exactly one tile of capacity
     test_attention(kc::DType::BF16, 2, 4, 128, 16, 0, 1, false);  // no keys at all
     test_attention(kc::DType::F16, 1, 16, 64, 4, 64, 1, true);     // a full 16-row tile, one key tile
+    for (int group : {2, 4, 8, 12}) {
+        test_attention(kc::DType::BF16, 1, group, 96, blocks[randint(0, 3)], randint(700, 1500), 1, false);
+        test_step(kc::DType::BF16, 2, group, 96, blocks[randint(0, 3)], randint(2, 4), randint(65, 600), 0, true);
+    }
 }
 
 // Splits merged in the last CTA of each row group (attention_merge.cuh) on the CUDA-core kernel (MHA;
@@ -747,6 +744,11 @@ void test_mma_split_grid() {
     // 8 warps (the emulator takes them from 8 CTAs of 128 rows): 8 CTAs, 2 splits of 5 tiles.
     test_attention(kc::DType::BF16, 2, 1, 64, 16, 600, 512, false, Layout::kCausalChunk);
     test_attention(kc::DType::F16, 2, 1, 128, 16, 600, 512, false, Layout::kRecompute);
+    // Launch choices (kc::Tuning): 8 warps where 4 would be chosen (2 CTAs, 7 splits), 4 warps where 8
+    // would be (16 CTAs, one split), three waves of splits (1 CTA: 32 splits of 4 tiles, not 16 of 8).
+    test_attention(kc::DType::BF16, 2, 1, 64, 16, 1540, 40, false, Layout::kCausalChunk, 0, nullptr, {8, 0});
+    test_attention(kc::DType::F16, 2, 1, 128, 16, 600, 512, false, Layout::kRecompute, 0, nullptr, {4, 0});
+    test_attention(kc::DType::BF16, 1, 1, 64, 16, 8000, 20, false, Layout::kCausalChunk, 0, nullptr, {0, 3});
 #ifndef CONDUIT_TEST_ON_GPU
     // A fresh stream whose workspace cannot be allocated: one split, the same answer.
     emu::g_malloc_limit = 0;
@@ -806,27 +808,16 @@ void test_topk_grid() {
 } // namespace
 
 int main(int argc, char **argv) {
-    if (argc > 1 && std::string(argv[1]) == "stats") { // only the statistics (run_emu.py: the CUDA-core path)
-        test_stats_grid();
-        std::printf("stats: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    if (argc > 1 && std::string(argv[1]) == "split") { // only the split tensor-core attention (for iterating on it)
-        test_mma_split_grid();
-        std::printf("split: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    if (argc > 1 && std::string(argv[1]) == "decode") { // only the decode grids (run_emu.py: both paths, both merges)
-        test_decode_grid();
-        std::printf("decode outputs hash: %016llx\n", (unsigned long long)output_hash);
-        test_split_merge_grid();
-        std::printf("decode: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
-    }
-    if (argc > 1 && std::string(argv[1]) == "merge") { // only the last-CTA merge (for iterating on it)
-        test_split_merge_grid();
-        std::printf("merge: %d checks, %d failures\n", checks, failures);
-        return failures == 0 ? 0 : 1;
+    // One grid alone, by name (for iterating on one kernel): stats, split, decode (the decode and
+    // split-merge grids) or merge.
+    if (argc > 1) {
+        const std::string grid = argv[1];
+        if (grid == "stats") test_stats_grid();
+        else if (grid == "split") test_mma_split_grid();
+        else if (grid == "decode") test_decode_grid();
+        if (grid == "decode" || grid == "merge") test_split_merge_grid();
+        std::printf("%s: %d checks, %d failures\n", grid.c_str(), checks, failures);
+        return failures == 0 && checks > 0 ? 0 : 1;
     }
     const kc::DType dtypes[] = {kc::DType::F32, kc::DType::F16, kc::DType::BF16};
     const int dims[] = {8, 64, 80, 96, 128, 256};
@@ -879,10 +870,10 @@ int main(int argc, char **argv) {
         }
     test_attention(kc::DType::BF16, 4, 2, 128, 16, 200, 128, false, Layout::kCausalChunk);
     test_attention(kc::DType::F16, 4, 2, 64, 16, 330, 128, false, Layout::kRandom, 0b01010);
-    // CTAs of 8 warps, with wgmma and a producer warpgroup (-D CONDUIT_EMU_WGMMA=1, the producer on by
-    // default: for_each_key_tile_specialized, a ring of 4 stages): one tile and three (fewer than the
-    // stages), hidden tiles inside the ring's first fill and after it, every tile hidden; without
-    // wgmma or with -D CONDUIT_MMA_PRODUCER=0, the CTA-barrier loop on the same cases.
+    // CTAs of 8 warps, with wgmma and a producer warpgroup (-D CONDUIT_EMU_WGMMA=1:
+    // for_each_key_tile_specialized, a ring of 4 stages): one tile and three (fewer than the stages),
+    // hidden tiles inside the ring's first fill and after it, every tile hidden; without wgmma, the
+    // CTA-barrier loop on the same cases.
     for (kc::DType t : {kc::DType::BF16, kc::DType::F16})
         for (int d : {64, 128}) {
             test_attention(t, 4, 2, d, 16, 40, 128, false, Layout::kCausalChunk);
