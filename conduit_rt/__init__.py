@@ -34,7 +34,7 @@ def __getattr__(name: str):
         from .options import GenerationOptions
 
         return GenerationOptions
-    if name in ("KVArena", "Sequence", "ImageEntry", "ArenaStats", "DecodeStep"):
+    if name in ("KVArena", "KernelTuning", "Sequence", "ImageEntry", "ArenaStats", "DecodeStep"):
         from . import arena
 
         return getattr(arena, name)
