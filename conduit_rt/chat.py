@@ -146,19 +146,30 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as error:
             raise RequestError(f"the chat template rejected the messages: {error}") from error
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+            # a template that assumes a shape these (valid) messages do not have, e.g. text in every part
+            raise RequestError(f"the chat template cannot render these messages ({type(error).__name__}: "
+                               f"{error}); send them in the shape the model's template expects") from error
 
 
-def _plain(value: Any) -> Any:
-    """What a template may see: JSON types only; anything else (images, arrays) a placeholder."""
+MAX_NESTING = 32  # levels of dicts and lists a message may nest (a cycle would nest forever)
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles; the template may refuse some
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """What a template may see: JSON types only; anything else (images, arrays) a placeholder.
+    Raises ``RequestError`` past ``MAX_NESTING`` levels."""
     if value is None or type(value) in (bool, int, float, str):
         return value
     for json_type in (bool, int, float, str):  # subclasses (enums, numpy scalars) back to the base type
         if isinstance(value, json_type):
             return json_type(value) if json_type is not str else str.__str__(value)
+    if isinstance(value, (Mapping, list, tuple)) and depth >= MAX_NESTING:
+        raise RequestError(f"the messages nest dicts and lists more than {MAX_NESTING} levels deep")
     if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
+        return {str(key): _plain(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+        return [_plain(item, depth + 1) for item in value]
     return f"<{type(value).__name__}>"
 
 
@@ -193,13 +204,16 @@ def validate_messages(messages: Any) -> tuple[list[dict], list[ImagePayload]]:
         where = f"messages[{index}]"
         if not isinstance(message, Mapping):
             raise RequestError(f"{where} must be a dict, got {type(message).__name__}")
-        if not isinstance(message.get("role"), str) or not message["role"]:
-            raise RequestError(f"{where} needs a non-empty string 'role'")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise RequestError(f"{where} needs a 'role', one of {', '.join(ROLES)}; got {role!r}")
         content = message.get("content")
-        if isinstance(content, str):
+        if isinstance(content, str):  # "" too, as OpenAI's API takes it
             continue
-        if not isinstance(content, Sequence) or isinstance(content, bytes):
+        if not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
             raise RequestError(f"{where}['content'] must be a string or a list of parts")
+        if not content:  # as OpenAI's API, which refuses an empty array
+            raise RequestError(f"{where}['content'] is an empty list: give it at least one part, or a string")
         for part_index, part in enumerate(content):
             _check_part(part, f"{where}['content'][{part_index}]")
             if part["type"] == "image":

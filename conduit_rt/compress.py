@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import validation
 from .errors import RequestError
 from .results import GenerationStats
 from .selection import apportion, keep_budget, top_k_indices
@@ -41,10 +42,23 @@ class CompressOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.threshold <= 1:
-            raise RequestError(f"threshold must be in [0, 1], got {self.threshold}")
-        if self.recompress_every is not None and self.recompress_every < 1:
-            raise RequestError(f"recompress_every must be >= 1, got {self.recompress_every}")
+        """Checks every field's type and range (RequestError)."""
+        every = self.recompress_every
+        fields = {
+            "threshold": validation.real(self.threshold, "threshold", 0.0, 1.0),
+            "window": validation.integer(self.window, "window", 1),
+            "pool_kernel": validation.integer(self.pool_kernel, "pool_kernel", 1),
+            "sinks": validation.integer(self.sinks, "sinks", 0),
+            # PyramidKV's bottom layer gets (2 - 1/β) k: negative below β = 1/2
+            "pyramid_beta": validation.real(self.pyramid_beta, "pyramid_beta", 0.5),
+            "min_layer_ratio": validation.real(self.min_layer_ratio, "min_layer_ratio", 0.0, 1.0),
+            "recompress_every": None if every is None else validation.integer(every, "recompress_every", 1),
+            # the random policy seeds layer l with seed * 100003 + l, which must stay a valid seed
+            "seed": validation.integer(self.seed, "seed", 0, 2**32 - 1),
+        }
+        if fields["pool_kernel"] % 2 == 0:  # padding kernel // 2 keeps the scores' length for odd kernels only
+            raise RequestError(f"pool_kernel must be an odd integer >= 1, got {self.pool_kernel!r}")
+        validation.set_fields(self, fields)
 
 
 class PromptStats:

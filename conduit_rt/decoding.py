@@ -10,6 +10,7 @@ import torch
 from .arena import KVArena, Sequence
 from .compress import Recompressor
 from .decode_graph import GraphedDecoder
+from .errors import NonFiniteLogitsError
 from .models.base import ForwardBatch
 from .results import GenerationResult, GenerationStats
 from .sampling import Sampler, SamplingParams, TokenReadback
@@ -17,10 +18,11 @@ from .sampling import Sampler, SamplingParams, TokenReadback
 
 class Decoder:
     """The decode loop over one arena. On a CUDA device with ``cuda_graphs``, each step replays a
-    captured CUDA graph (``decode_graph.GraphedDecoder``) instead of launching it from Python."""
+    captured CUDA graph (``decode_graph.GraphedDecoder``) instead of launching it from Python.
+    ``source`` names the model (its file) in the error that NaN or infinite logits raise."""
 
-    def __init__(self, model, arena: KVArena, cuda_graphs: bool) -> None:
-        self.model = model
+    def __init__(self, model, arena: KVArena, cuda_graphs: bool, source: str = "the model") -> None:
+        self.model, self.source = model, source
         self.graphed = GraphedDecoder(model, arena) if cuda_graphs and model.device.type == "cuda" else None
 
     def run(self, seq: Sequence, logits: torch.Tensor, first_position: int, first_rope: int,
@@ -88,22 +90,29 @@ class Decoder:
         generator truncates it from the sequence, which ends as it would have without running ahead.
         The first token goes out before any step is enqueued: time to first token never waits for one
         (nor for a first step's graph capture). ``step_logits`` collects each step's logits (CPU).
+        Logits with a NaN or an infinity raise NonFiniteLogitsError when their token is read back
+        (the prompt's own, unsampled when ``max_tokens`` is 0, are checked on their own).
         """
         sampler = Sampler(sampling, self.model.device)
         readback = TokenReadback(self.model.device)
+        if sampling.max_tokens == 0 and not bool(torch.isfinite(logits).all()):
+            raise self._non_finite(first_position)
         ahead = None  # position of a step enqueued for a token the caller has not accepted yet
         try:
             for i in range(sampling.max_tokens):
                 if step_logits is not None:
                     step_logits.append(logits.float().cpu())
-                token = sampler(logits)
-                readback.start(token)
+                token, finite = sampler(logits)
+                readback.start(token, finite)
                 position, rope_position = first_position + i, first_rope + i
                 more = i + 1 < sampling.max_tokens
                 if more and i > 0:
                     logits = self._step(seq, token, position, rope_position, recompress)
                     ahead = position
-                yield readback.wait()
+                token_id, finite_logits = readback.wait()
+                if not finite_logits:
+                    raise self._non_finite(position)
+                yield token_id
                 ahead = None
                 if more and i == 0:
                     logits = self._step(seq, token, position, rope_position, recompress)
@@ -112,6 +121,13 @@ class Decoder:
         finally:
             if ahead is not None:
                 seq.truncate(ahead)
+
+    def _non_finite(self, n_tokens: int) -> NonFiniteLogitsError:
+        """The error for NaN or infinite logits after ``n_tokens`` tokens of the sequence."""
+        return NonFiniteLogitsError(
+            f"{self.source}: the model's logits after {n_tokens} tokens are NaN or infinite, so its answer "
+            f"would be garbage; its weights are corrupted or overflow in {self.model.dtype}: convert the "
+            "checkpoint again, or load the model in float32")
 
     def _step(self, seq: Sequence, token: torch.Tensor, position: int, rope_position: int,
               capture: Recompressor | None = None) -> torch.Tensor:

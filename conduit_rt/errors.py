@@ -103,9 +103,34 @@ class RequestError(ConduitError, ValueError):
     """A request (messages, images, sampling parameters) is malformed."""
 
 
-class ImageTooLargeError(RequestError):
-    """An image has more pixels than PIL decodes safely (``PIL.Image.MAX_IMAGE_PIXELS``, its guard
-    against decompression bombs): downscale it before sending it."""
+class ContextOverflowError(RequestError):
+    """A request needs more tokens than the runtime can hold: its prompt (text and image tokens), or
+    the prompt plus ``max_tokens``, exceeds the model's context length (the GGUF's
+    ``context_length``) or the tokens of KV one sequence can ever have in the arena
+    (``kv_cache_bytes``). Refused before any KV is allocated; send fewer images or less text, lower
+    ``max_tokens``, or give the Runtime a larger ``kv_cache_bytes``. ``needed`` and ``limit`` are
+    the token counts compared."""
+
+    def __init__(self, message: str, needed: int = 0, limit: int = 0) -> None:
+        super().__init__(message)
+        self.needed, self.limit = needed, limit
+
+
+class InvalidImageError(RequestError):
+    """An image cannot be used: unreadable, not a format PIL decodes, truncated, without pixels, or
+    animated (more than one frame). The message names the image and what to send instead."""
+
+
+class ImageTooLargeError(InvalidImageError):
+    """An image has more pixels than conduit-rt decodes (``preprocess.MAX_IMAGE_PIXELS``, its guard
+    against decompression bombs), or preprocessing would make one that large (a very long, thin
+    image): downscale or crop it before sending it."""
+
+
+class NonFiniteLogitsError(ConduitError, ArithmeticError):
+    """The model produced NaN or infinite logits: its weights are corrupted (or overflow in this
+    dtype). The message names the model file; convert the checkpoint again, or load it in float32.
+    The request's KV is freed; the Runtime stays usable."""
 
 
 class DeviceUnavailableError(ConduitError, ValueError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import compress, refresh
+from . import compress, refresh, validation
 from .compress import CompressionPolicy, CompressOptions
 from .errors import RequestError
 from .refresh import RefreshOptions, RefreshPolicy
@@ -15,19 +15,22 @@ from .sampling import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class GenerationOptions:
-    """Everything a request may set besides its messages; validated at construction (RequestError).
+    """Everything a request may set besides its messages; every field is checked at construction
+    (RequestError), whether or not a request's path reads it.
 
-    Sampling: ``max_tokens``; ``temperature`` 0 is greedy; ``top_p`` in (0, 1] keeps the smallest set
-    of tokens whose probability mass reaches it; ``seed`` makes sampling repeatable; ``stop``: a
-    string or strings that end the text before them; ``return_logits``: the result keeps each step's
-    logits.
+    Sampling: ``max_tokens`` (an integer >= 0; with the prompt, at most the model's context length,
+    checked per request); ``temperature`` (>= 0) 0 is greedy; ``top_p`` in (0, 1] keeps the smallest
+    set of tokens whose probability mass reaches it; ``seed`` (an integer) makes sampling repeatable;
+    ``stop``: a string or strings that end the text before them; ``return_logits``: the result keeps
+    each step's logits.
     Refresh (docs/methods.md §1): ``refresh`` None restores no image KV (every token not in an exact
     prefix is computed); a policy name ("conduit", "full", "none", "first", "random", "attention",
     "cacheblend") restores cached images at their new positions and recomputes ``refresh_budget``
-    of their tokens, with ``refresh_options`` (a ``RefreshOptions`` or a dict of its fields).
+    (in [0, 1]) of their tokens, with ``refresh_options`` (a ``RefreshOptions`` or a dict of its fields).
     Compression (docs/methods.md §2): ``compress`` None keeps the whole KV; a policy name
-    ("vlcache", "none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv") keeps ``keep`` of
-    the prompt's KV per layer for decoding, with ``compress_options`` (``CompressOptions`` or a dict).
+    ("vlcache", "none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv") keeps ``keep`` (in
+    (0, 1]) of the prompt's KV per layer for decoding, with ``compress_options`` (``CompressOptions``
+    or a dict).
     """
 
     max_tokens: int = 256
@@ -44,21 +47,27 @@ class GenerationOptions:
     compress_options: CompressOptions | dict | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in (("max_tokens", int), ("temperature", float), ("top_p", float), ("refresh_budget", float),
-                           ("keep", float)):
-            object.__setattr__(self, name, _number(kind, getattr(self, name), name))
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise RequestError("stop must be a non-empty string or a list of them")
-        object.__setattr__(self, "stop", stops)
-        object.__setattr__(self, "refresh_options", _options(RefreshOptions, self.refresh_options, "refresh_options"))
-        object.__setattr__(self, "compress_options", _options(CompressOptions, self.compress_options, "compress_options"))
-        self.sampling()  # SamplingParams checks max_tokens, temperature and top_p
+        """Checks and normalises every field (a bad ``refresh_budget`` is an error even for a request
+        whose whole prompt is an exact prefix, where nothing is refreshed)."""
+        fields = {
+            "max_tokens": validation.integer(self.max_tokens, "max_tokens", 0),
+            "temperature": validation.real(self.temperature, "temperature", 0.0),
+            "top_p": validation.real(self.top_p, "top_p", 0.0, 1.0, low_open=True),
+            "seed": None if self.seed is None else validation.integer(self.seed, "seed", *validation.SEED_RANGE),
+            "stop": _stops(self.stop),
+            "return_logits": validation.flag(self.return_logits, "return_logits"),
+            "refresh": _name(self.refresh, "refresh"),
+            "refresh_budget": validation.real(self.refresh_budget, "refresh_budget", 0.0, 1.0),
+            "refresh_options": _options(RefreshOptions, self.refresh_options, "refresh_options"),
+            "compress": _name(self.compress, "compress"),
+            # keep 0 would leave the layers no KV to attend to
+            "keep": validation.real(self.keep, "keep", 0.0, 1.0, low_open=True),
+            "compress_options": _options(CompressOptions, self.compress_options, "compress_options"),
+        }
+        validation.set_fields(self, fields)
+        self.sampling()
         self.refresh_policy()  # an unknown name is a RequestError
         self.compression_policy()
-        for name in ("refresh_budget", "keep"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise RequestError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
     @classmethod
     def of(cls, options: "GenerationOptions | None" = None, **overrides) -> "GenerationOptions":
@@ -88,12 +97,19 @@ class GenerationOptions:
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 
 
-def _number(kind: type, value, name: str):
-    """``value`` as an int or a float; a RequestError when it is not a number."""
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a number, got {value!r}") from None
+def _stops(stop) -> tuple[str, ...]:
+    """``stop`` (None, a string, or a list or tuple of them) as a tuple of non-empty strings."""
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stops)
+
+
+def _name(value, option: str) -> str | None:
+    """A policy name: None or a string (looked up by the policy registry)."""
+    if value is not None and not isinstance(value, str):
+        raise RequestError(f"{option} must be a policy name (a string) or None, got {value!r}")
+    return value
 
 
 def _options(kind: type, value, name: str):
@@ -104,8 +120,8 @@ def _options(kind: type, value, name: str):
         return value
     if isinstance(value, dict):
         valid = [f.name for f in dataclasses.fields(kind)]
-        unknown = sorted(set(value) - set(valid))
+        unknown = [str(key) for key in value if key not in valid]
         if unknown:
-            raise RequestError(f"unknown {name} {', '.join(unknown)}; use {', '.join(valid)}")
+            raise RequestError(f"unknown {name} {', '.join(sorted(unknown))}; use {', '.join(valid)}")
         return kind(**value)
     raise RequestError(f"{name} must be a {kind.__name__} or a dict, got {type(value).__name__}")

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from .arena import KVArena, Sequence
 from .capture import PassCapture
 from .chat import ImageSlot
-from .errors import RequestError
 from .image_cache import ImageKVStore
 from .prefill_graph import PrefillGraphs
 from .prefix_cache import PrefixCache, common_prefix
@@ -88,10 +87,8 @@ class Planner:
              held: HeldSequence | None) -> Plan:
         """The exact prefix (from ``held``, else the prefix cache), and the images after it sorted
         into restored and computed; misses are filled alone first when ``options.fill`` is
-        "isolated" (then restored like hits). ``refresh`` None restores nothing."""
-        n_layers = self.model.config.n_layers
-        if options.layers is not None and any(not 0 <= layer < n_layers for layer in options.layers):
-            raise RequestError(f"refresh layers must be in [0, {n_layers}), got {list(options.layers)}")
+        "isolated" (then restored like hits). ``refresh`` None restores nothing. The request was
+        checked first (``limits.check_request_fits``: its length, ``options.layers``)."""
         seq, reused = self._exact_prefix(request.identity, held)
         n = request.n_tokens
         stats = GenerationStats(prompt_tokens=n, reused_tokens=reused, prefill_tokens=n - reused,

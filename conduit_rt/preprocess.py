@@ -1,5 +1,10 @@
 """Images: load, preprocess for the vision tower, and identify.
 
+Loading decodes a path, bytes or a PIL image to upright RGB pixels within the limits of
+``MAX_IMAGE_PIXELS`` (checked before the pixels are decoded) and refuses animated images. The file
+is longer than most (~500 lines) because the limits, the decoding and the two preprocessing
+families that must respect them are one path from bytes to tower input, read and tested together.
+
 Preprocessing reproduces Hugging Face's PIL-backend CLIP/LLaVA image processor
 (``CLIPImageProcessorPil`` / ``LlavaImageProcessorPil`` in transformers 5, the slow
 ``CLIPImageProcessor`` of transformers 4): alpha composited onto white, optional pad to square
@@ -21,13 +26,14 @@ import json
 import logging
 import math
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
-from conduit_rt.errors import ImageTooLargeError, ModelFormatError, RequestError
+from conduit_rt.errors import ImageTooLargeError, InvalidImageError, ModelFormatError
 
 logger = logging.getLogger(__name__)
 
@@ -38,39 +44,100 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _KEY_DOMAIN = b"conduit-rt image key v1\0"
 
 
-def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
-    """Decode a path, encoded bytes or a PIL image into a loaded PIL image (mode unchanged).
+MAX_IMAGE_PIXELS = 8192 * 8192
+"""The most pixels conduit-rt decodes in one image, and lets preprocessing make from one (the square
+padded around it, its resized copy): 64 megapixels, 192 MiB as RGB. A larger image is refused with
+ImageTooLargeError before its pixels are decoded (the size comes from the file's header, or from a
+PIL image's ``size``): the guard against decompression bombs, small files that decode to gigabytes.
+Vision towers see a few megapixels at most (LLaVA-1.5: 336 x 336; Qwen2-VL: its ``max_pixels``), so
+the limit takes nothing from what a model can see."""
 
-    EXIF orientation is not applied, as Hugging Face's processors do not apply it.
-    Raises ``RequestError`` when the input cannot be read or decoded; ``name`` says in it what the
-    bytes are (the path they were read from).
+# A JPEG holding extra pictures after the photo (a camera's previews, a depth map): the first is the photo.
+FIRST_FRAME_FORMATS = ("MPO",)
+_EXIF_ORIENTATION = 0x0112
+# what PIL raises for malformed EXIF data (then the image is used as stored, as viewers do)
+_EXIF_ERRORS = (SyntaxError, ValueError, TypeError, KeyError, IndexError, OSError, struct.error)
+
+
+def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
+    """Decode a path, encoded bytes or a PIL image into a loaded, upright PIL image (mode unchanged).
+
+    Before the pixels are decoded, the image's size and frames are checked (``check_decodable``).
+    EXIF orientation is applied, as transformers' ``load_image`` does and as a viewer shows a photo.
+    Raises ``InvalidImageError`` when the input cannot be read or decoded, ``ImageTooLargeError``
+    past ``MAX_IMAGE_PIXELS``; ``name`` says in them what the bytes are (the path they were read from).
     """
     if isinstance(image, Image.Image):
-        return image
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        source: Any = io.BytesIO(bytes(image))
+        name = name or f"<PIL.Image {image.mode} {image.width}x{image.height}>"
+        source: Any = None
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(bytes(image))
         name = name or f"<{len(image)} bytes>"
     elif isinstance(image, (str, os.PathLike)):
         source = name = os.fspath(image)
     else:
-        raise RequestError(f"an image must be a path, bytes or a PIL.Image, not {type(image).__name__}")
+        raise InvalidImageError(f"an image must be a path, bytes or a PIL.Image, not {type(image).__name__}")
     try:
+        if source is None:
+            check_decodable(image, name)
+            image.load()  # a lazily opened image decodes here
+            return _upright(image)
         with Image.open(source) as opened:
+            check_decodable(opened, name)
             opened.load()  # decode now, so the file can close and errors surface here
-        return opened
+        return _upright(opened)
+    except InvalidImageError:  # the checks' own errors (a ValueError, like PIL's)
+        raise
     except FileNotFoundError as error:
-        raise RequestError(f"image file not found: {name}") from error
+        raise InvalidImageError(f"image file not found: {name}") from error
     except Image.DecompressionBombError as error:
         raise ImageTooLargeError(f"image {name} has more pixels than PIL decodes safely ({str(error).rstrip('.')}); "
                                  "downscale it first") from error
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise RequestError(f"cannot decode image {name}: {error}") from error
+    except UnidentifiedImageError as error:
+        raise InvalidImageError(f"cannot decode image {name}: not an image format PIL reads "
+                                "(PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from error
+    except (OSError, ValueError, SyntaxError, EOFError) as error:
+        raise InvalidImageError(f"cannot decode image {name}: {error}") from error
+
+
+def check_decodable(image: Image.Image, name: str) -> None:
+    """Refuses, before its pixels are decoded, an image over ``MAX_IMAGE_PIXELS``
+    (ImageTooLargeError) or one of several frames (InvalidImageError), except a JPEG whose extra
+    frames are previews (``FIRST_FRAME_FORMATS``: its first frame is the photo).
+
+    An animated image is refused rather than cut to its first frame: OpenAI's chat API takes
+    non-animated GIFs only, and a request about an animation answered from one still would be
+    silently wrong. The caller sends the frame it means."""
+    check_pixel_count(image.width, image.height, name)
+    frames = getattr(image, "n_frames", 1)
+    if frames > 1 and image.format not in FIRST_FRAME_FORMATS:
+        raise InvalidImageError(f"image {name} has {frames} frames ({image.format or 'an animation'}); send one "
+                                "frame as its own image (for a PIL image: image.seek(i); image.convert('RGB'))")
+
+
+def check_pixel_count(width: int, height: int, name: str) -> None:
+    """ImageTooLargeError when an image of ``width`` x ``height`` exceeds ``MAX_IMAGE_PIXELS``."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ImageTooLargeError(f"image {name} is {width}x{height} = {width * height} pixels, more than the "
+                                 f"{MAX_IMAGE_PIXELS} conduit-rt decodes (preprocess.MAX_IMAGE_PIXELS); "
+                                 "downscale or crop it first")
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """``image`` turned as its EXIF orientation says (a copy), or itself when there is nothing to turn."""
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except _EXIF_ERRORS:
+        return image
+    if orientation not in range(2, 9):
+        return image
+    return ImageOps.exif_transpose(image)
 
 
 def encoded_bytes(image: ImageInput | np.ndarray) -> bytes | None:
     """The encoded file of a path or bytes payload (a file is read once, here, whole: its digest is
     the decoded-image cache's key), or None for a PIL image or a pixel array. Raises
-    ``RequestError`` when the file cannot be read."""
+    ``InvalidImageError`` when the file cannot be read."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)
     if isinstance(image, (str, os.PathLike)):
@@ -79,9 +146,9 @@ def encoded_bytes(image: ImageInput | np.ndarray) -> bytes | None:
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError as error:
-            raise RequestError(f"image file not found: {path}") from error
+            raise InvalidImageError(f"image file not found: {path}") from error
         except OSError as error:
-            raise RequestError(f"cannot read image {path}: {error}") from error
+            raise InvalidImageError(f"cannot read image {path}: {error}") from error
     return None
 
 
@@ -89,20 +156,26 @@ def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.
     """The image's RGB pixels, shape: [height, width, 3], dtype: uint8.
 
     Transparency (an alpha band or a palette transparency entry) is composited onto white, as
-    Hugging Face's ``convert_to_rgb`` does; every other mode goes through ``convert("RGB")``.
-    An array must already be [height, width, 3] uint8. An image without pixels is a RequestError;
-    ``name`` names encoded bytes in errors (see ``load_image``).
+    Hugging Face's ``convert_to_rgb`` does. 16-bit grayscale (PIL modes "I;16*") keeps each value's
+    high byte, as PIL itself reads 16-bit RGB PNGs (and torchvision's ``to_dtype(uint8, scale=True)``
+    converts): ``convert`` would clip every value above 255 to white. Every other mode goes through
+    ``convert("RGB")`` (CMYK, palette, 1-bit, 32-bit "I" and "F", which clip to [0, 255]).
+    An array must already be [height, width, 3] uint8. An image without pixels is an
+    InvalidImageError; ``name`` names encoded bytes in errors (see ``load_image``).
     """
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
-            raise RequestError(
+            raise InvalidImageError(
                 f"a pixel array must be [height, width, 3] uint8 with at least one pixel, got {image.shape} "
                 f"{image.dtype}"
             )
+        check_pixel_count(image.shape[1], image.shape[0], name or "<pixel array>")
         return np.ascontiguousarray(image)
     pil = load_image(image, name)
     if pil.width == 0 or pil.height == 0:
-        raise RequestError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
+        raise InvalidImageError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
+    if pil.mode.startswith("I;16"):
+        pil = _high_bytes(pil)
     if "A" in pil.getbands() or pil.info.get("transparency") is not None:
         rgba = pil.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -110,6 +183,18 @@ def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.
     if pil.mode != "RGB":  # convert copies even within a mode: only when it changes something
         pil = pil.convert("RGB")
     return np.asarray(pil, dtype=np.uint8)
+
+
+def _high_bytes(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image ("I;16", "I;16B", ...) as 8 bits ("L"): each value's high byte. Its
+    transparent value, if any, becomes an alpha band ("LA"), found on the 16-bit values."""
+    values = np.asarray(image)  # uint16 [H, W], in the mode's byte order
+    gray = Image.fromarray((values >> 8).astype(np.uint8), "L")
+    transparent = image.info.get("transparency")
+    if not isinstance(transparent, int):
+        return gray
+    alpha = Image.fromarray(np.where(values == transparent, 0, 255).astype(np.uint8), "L")
+    return Image.merge("LA", (gray, alpha))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +265,17 @@ class ClipPreprocessParams:
         """Pixel values for the vision tower, shape: [3, crop_height, crop_width], dtype: float32."""
         return preprocess_clip(to_rgb_array(image), self)
 
+    def check_size(self, height: int, width: int) -> None:
+        """ImageTooLargeError when preprocessing an image of this size would make one of more than
+        ``MAX_IMAGE_PIXELS`` pixels: the square padded around a long image, or the resized copy of a
+        thin one (its short side goes to the target size, its long side in proportion)."""
+        if self.do_pad_to_square:
+            height = width = max(height, width)
+            check_pixel_count(width, height, "padded to a square")
+        if self.do_resize:
+            resized_height, resized_width = _resized_size(height, width, self)
+            check_pixel_count(resized_width, resized_height, f"{width}x{height} resized")
+
 
 def _resized_size(height: int, width: int, params: ClipPreprocessParams) -> tuple[int, int]:
     """(height, width) after the resize; the shortest-edge rule truncates the long side like HF."""
@@ -219,6 +315,7 @@ def _center_crop(chw: np.ndarray, crop_height: int, crop_width: int) -> np.ndarr
 
 def preprocess_clip(rgb: np.ndarray, params: ClipPreprocessParams) -> np.ndarray:
     """rgb: [H, W, 3] uint8 -> pixel values [3, crop_height, crop_width] float32."""
+    params.check_size(rgb.shape[0], rgb.shape[1])
     if params.do_pad_to_square:
         rgb = _pad_to_square(rgb, params.image_mean)
     if params.do_resize:
@@ -306,12 +403,18 @@ class QwenVLPreprocessParams:
         return dataclasses.asdict(self)
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
-        """(height, width) the image is resized to; raises ``RequestError`` for unusable sizes."""
+        """(height, width) the image is resized to; raises ``InvalidImageError`` for unusable sizes."""
         if not self.do_resize:
             if height % self.factor or width % self.factor:
-                raise RequestError(f"with do_resize off, image sides must be multiples of {self.factor}, got {height}x{width}")
+                raise InvalidImageError(f"with do_resize off, image sides must be multiples of {self.factor}, "
+                                        f"got {height}x{width}")
             return height, width
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+
+    def check_size(self, height: int, width: int) -> None:
+        """InvalidImageError for a size Qwen2-VL's resize refuses (the resized image itself is
+        bounded by ``max_pixels``)."""
+        self.resized_size(height, width)
 
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) patch grid of an image of ``height`` x ``width`` pixels (before merging)."""
@@ -346,10 +449,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
     Each side is rounded to the nearest multiple of ``factor``; when the area then falls outside the
     range, both sides are scaled by the same ratio (floored when too large, ceiled when too small).
-    Raises ``RequestError`` for an aspect ratio above 200, which the Qwen processor refuses.
+    Raises ``InvalidImageError`` for an aspect ratio above 200, which the Qwen processor refuses.
     """
     if max(height, width) / min(height, width) > 200:
-        raise RequestError(f"image aspect ratio must be at most 200, got {height}x{width}")
+        raise InvalidImageError(f"image aspect ratio must be at most 200, got {height}x{width}")
     resized_height = round(height / factor) * factor
     resized_width = round(width / factor) * factor
     if resized_height * resized_width > max_pixels:

@@ -41,6 +41,10 @@ class Request:
         return len(self.prompt.token_ids)
 
     @property
+    def n_image_tokens(self) -> int:
+        return sum(slot.n_tokens for slot in self.prompt.image_slots)
+
+    @property
     def next_rope(self) -> int:
         """RoPE position of the first generated token."""
         return int(self.rope.max()) + 1 if self.rope.numel() else 0
@@ -80,6 +84,8 @@ class RequestReader:
         if payloads and not self.model.has_vision:
             raise RequestError("this model has no vision tower: load it with its mmproj.gguf to send images")
         pixels, keys = self._decode_images(payloads)
+        for rgb in pixels:  # what preprocessing will make of each image stays within the pixel limit
+            a.preprocess.check_size(rgb.shape[0], rgb.shape[1])
         images = [self.model.prepare_image(rgb) for rgb in pixels]
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
                               [image.n_tokens for image in images])

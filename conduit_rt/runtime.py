@@ -28,6 +28,7 @@ from .convert.cache import model_files
 from .decoding import Decoder
 from .errors import ArenaFullError, DeviceUnavailableError
 from .image_cache import DecodedImages, EmbeddingCache, ImageKVStore
+from .limits import check_request_fits, check_runtime_arguments
 from .options import GenerationOptions
 from .planning import HeldSequence, Planner
 from .prefix_cache import PrefixCache
@@ -115,11 +116,12 @@ class Runtime:
                  image_cache_bytes: int | None = None, prefix_cache_entries: int = 4, cuda_graphs: bool = True) -> None:
         from .models import load_model
 
+        check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs)
         self.device = resolve_device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model_path, mmproj = model_files(model_path, mmproj)
         self._attach(load_model(model_path, mmproj, self.device, self.dtype), kv_cache_bytes, image_cache_bytes,
-                     prefix_cache_entries, cuda_graphs)
+                     prefix_cache_entries, cuda_graphs, source=str(model_path))
         logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
                     self.arena.kv_bytes / 2**20)
 
@@ -128,14 +130,17 @@ class Runtime:
                    prefix_cache_entries: int = 4, cuda_graphs: bool = True) -> "Runtime":
         """A Runtime over an already-built model (no files read; benchmarks build one with random
         weights): its device and dtype are the model's; the other arguments are as in ``__init__``."""
+        check_runtime_arguments(None, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs)
         runtime = cls.__new__(cls)
         runtime.device, runtime.dtype = model.device, model.dtype
-        runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs)
+        runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
+                        source="the model given to Runtime.from_model")
         return runtime
 
     def _attach(self, model, kv_cache_bytes: int | None, image_cache_bytes: int | None,
-                prefix_cache_entries: int, cuda_graphs: bool) -> None:
-        """Takes the model, sizes the KV arena and creates the parts and their caches over it."""
+                prefix_cache_entries: int, cuda_graphs: bool, source: str) -> None:
+        """Takes the model, sizes the KV arena and creates the parts and their caches over it;
+        ``source`` names the model in errors."""
         self.model = model
         kv_bytes = _kv_bytes(model, self.dtype, self.device) if kv_cache_bytes is None else int(kv_cache_bytes)
         image_bytes = kv_bytes // 4 if image_cache_bytes is None else int(image_cache_bytes)
@@ -145,7 +150,7 @@ class Runtime:
         # pixels of recurring image files; none when image caching is off
         decoded_images = DecodedImages(max(image_bytes // 64, 16 << 20) if image_bytes > 0 else 0)
         self.requests = RequestReader(model, decoded_images, embeddings)
-        self.decoder = Decoder(model, self.arena, cuda_graphs)
+        self.decoder = Decoder(model, self.arena, cuda_graphs, source)
         self.planner = Planner(model, self.arena, self.requests, PrefixCache(prefix_cache_entries), image_kv,
                                cuda_graphs)
 
@@ -180,32 +185,40 @@ class Runtime:
                 held: HeldSequence | None) -> Generator[str, None, GenerationResult]:
         start = time.perf_counter()
         request = self.requests.read(messages)                                          # 1
+        check_request_fits(request, options, self.model.config, self.arena)  # nothing allocated yet
         try:
             prefilled = self._prefill(request, options, held)                            # 2, 3
         except ArenaFullError:  # kept prefixes may hold the room: drop them and try once more
             self.planner.prefix_cache.clear()
             prefilled = self._prefill(request, options, held)
-        result = None
+        result, whole = None, False
         try:
             recompress = self._compress(request, prefilled, options)                     # 4
             result = yield from self.decoder.run(prefilled.seq, prefilled.logits, request.n_tokens,  # 5
                                                  request.next_rope, options.sampling(), options.return_logits,
                                                  prefilled.stats, start, recompress)
+            whole = True
             return result
+        except GeneratorExit:  # the caller closed the stream: the KV decoded so far is whole
+            whole = True
+            raise
         finally:
-            generated = result.tokens if result is not None else []
-            # a compressed sequence no longer holds its prompt exactly: never an exact prefix again
-            n_held = prefilled.seq.n_tokens(0)
-            identity = [] if options.compress else (request.identity + [("t", t) for t in generated])[:n_held]
-            self.planner.keep(prefilled.seq, identity, held)
+            if whole:
+                generated = result.tokens if result is not None else []
+                # a compressed sequence no longer holds its prompt exactly: never an exact prefix again
+                n_held = prefilled.seq.n_tokens(0)
+                identity = [] if options.compress else (request.identity + [("t", t) for t in generated])[:n_held]
+                self.planner.keep(prefilled.seq, identity, held)
+            else:  # a failed step may have left KV half written: freed, never an exact prefix
+                prefilled.seq.free()
 
     def _prefill(self, request: Request, options: GenerationOptions, held: HeldSequence | None) -> _Prefilled:
         """Plans the exact prefix and the restored images, then runs the prefill pass over them."""
         refresh, compression = options.refresh_policy(), options.compression_policy()
         plan = self.planner.plan(request, refresh, options.refresh_options, held)
-        observe = [] if compression is None else compression.observed_positions(
-            request.n_tokens, request.post_vision_positions(), options.compress_options)
         with plan:  # releases the restored images; frees the sequence if the prefill fails
+            observe = [] if compression is None else compression.observed_positions(
+                request.n_tokens, request.post_vision_positions(), options.compress_options)
             queries = request.query_positions(options.refresh_options.query_tokens)
             reuse = self.planner.reuse_pass(request, plan, queries, observe)
             logits, capture = reuse.run(refresh, options.refresh_budget, options.refresh_options)

@@ -121,7 +121,10 @@ def test_path_bytes_and_pil_inputs_agree(tmp_path, processors):
     np.testing.assert_array_equal(params.preprocess(to_rgb_array(image)), from_pil)
 
 
-def test_exif_orientation_is_not_applied_like_hf(processors):
+def test_exif_orientation_is_applied_like_transformers_load_image(processors):
+    """A photo is used upright, as transformers' ``load_image`` (ImageOps.exif_transpose) gives it."""
+    from PIL import ImageOps
+
     hf_processor, params = processors
     image = _make_image(40, 20, "RGB", seed=5)
     exif = Image.Exif()
@@ -129,10 +132,10 @@ def test_exif_orientation_is_not_applied_like_hf(processors):
     encoded = io.BytesIO()
     image.save(encoded, format="JPEG", exif=exif)
     loaded = load_image(encoded.getvalue())
-    assert loaded.size == (40, 20)
-    expected = hf_processor(images=Image.open(io.BytesIO(encoded.getvalue())), return_tensors="np")[
-        "pixel_values"
-    ][0]
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(encoded.getvalue())))
+    assert loaded.size == upright.size == (20, 40)
+    np.testing.assert_array_equal(np.asarray(loaded), np.asarray(upright))
+    expected = hf_processor(images=upright, return_tensors="np")["pixel_values"][0]
     np.testing.assert_allclose(params.preprocess(encoded.getvalue()), expected, rtol=0, atol=1e-5)
 
 

@@ -39,6 +39,8 @@ def model_files(path: str | Path, mmproj: str | Path | None = None, dtype: str =
         raise ModelFormatError(f"no such model file: {path}")
     if mmproj is None and (path.parent / MMPROJ_FILE).is_file() and path.name != MMPROJ_FILE:
         mmproj = path.parent / MMPROJ_FILE
+    elif mmproj is not None and not Path(mmproj).is_file():
+        raise ModelFormatError(f"no such mmproj file: {mmproj}")
     return path, Path(mmproj) if mmproj is not None else None
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelFormatError
 
@@ -122,8 +122,11 @@ def _index_tensors(root: Path) -> dict[str, Path]:
         raise ModelFormatError(f"{root}: no *.safetensors weights (found .bin files: {found}); save the model as safetensors")
     index: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
-            index.update(dict.fromkeys(handle.keys(), file))
+        try:
+            with safe_open(file, framework="pt") as handle:
+                index.update(dict.fromkeys(handle.keys(), file))
+        except SafetensorError as exc:  # truncated or not a safetensors file at all
+            raise ModelFormatError(f"{file}: not a readable safetensors file ({exc})") from exc
     return index
 
 

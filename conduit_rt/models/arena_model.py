@@ -140,6 +140,7 @@ def decoder_config(
         tokens_per_image=tokens_per_image,
         image_size=image_size,
         vision_hidden=vision_hidden,
+        context_length=text.max_position_embeddings,
     )
 
 

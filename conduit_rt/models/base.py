@@ -117,6 +117,8 @@ class ModelConfig:
 
     ``tokens_per_image`` is the number of embeddings ``encode_images`` returns per image (and of
     image-placeholder tokens in the prompt); 0 when the model was loaded without a vision file.
+    ``context_length`` is the model's ``max_position_embeddings`` (GGUF ``{arch}.context_length``):
+    a request's prompt and answer together never exceed it.
     """
 
     architecture: str
@@ -135,6 +137,7 @@ class ModelConfig:
     tokens_per_image: int
     image_size: int  # square input side of the vision tower (0 without vision)
     vision_hidden: int  # 0 without vision
+    context_length: int  # most tokens a sequence may hold: the text file's context length
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:

@@ -7,7 +7,6 @@ visual tokens it recomputed; its default is score -> select under the budget -> 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from ..arena import Sequence
+from .. import validation
 from ..errors import RequestError
 from ..models.base import ModelConfig
 
@@ -41,14 +41,25 @@ class RefreshOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.fill not in FILL_MODES:
+        """Checks every field's type and range (RequestError); ``layers`` becomes a tuple. Whether the
+        layers exist is checked per request, against the model."""
+        if not isinstance(self.fill, str) or self.fill not in FILL_MODES:
             raise RequestError(f"fill must be one of {FILL_MODES}, got {self.fill!r}")
-        if self.query_tokens is not None and self.query_tokens < 1:
-            raise RequestError(f"query_tokens must be >= 1, got {self.query_tokens}")
-        if not math.isfinite(self.lam) or self.lam < 0:
-            raise RequestError(f"lam must be a finite number >= 0, got {self.lam}")
-        if self.layers is not None and not self.layers:
-            raise RequestError("layers must name at least one layer (None = all)")
+        layers = self.layers
+        if layers is not None:
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple, range)):
+                raise RequestError(f"layers must be a list of layer indices or None (all), got {layers!r}")
+            if not layers:
+                raise RequestError("layers must name at least one layer (None = all)")
+            layers = tuple(validation.integer(layer, "each of layers") for layer in layers)
+        fields = {
+            "lam": validation.real(self.lam, "lam", 0.0),
+            "query_tokens": None if self.query_tokens is None else validation.integer(self.query_tokens,
+                                                                                      "query_tokens", 1),
+            "layers": layers,
+            "seed": validation.integer(self.seed, "seed", *validation.SEED_RANGE),
+        }
+        validation.set_fields(self, fields)
 
 
 @dataclass(frozen=True, slots=True)
