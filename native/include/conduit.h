@@ -13,7 +13,12 @@
  *    conduit_last_error() says why, and, unless a function says otherwise, the objects it was
  *    given are left exactly as they were. No C++ exception and no abort ever crosses this ABI.
  *  - Recoverable statuses are > 0 (the call failed, nothing changed, carry on); fatal statuses are
- *    < 0 (the device is in an unknown state: free the arena and start again).
+ *    < 0 (the device is in an unknown state: free the arena and start again). ARENA_FULL is
+ *    decided before anything is evicted: a call that fails with it keeps every image entry.
+ *  - An enum argument (or field) outside its enumerators is INVALID_ARGUMENT, never undefined
+ *    behaviour: the library reads it as an integer before it uses it.
+ *  - A handle must not be used after it was freed (or its arena was): the library cannot tell a
+ *    freed pointer from a live one. conduit_rt's Python objects refuse such use themselves.
  *  - "Device memory" means memory on the arena's backend: host memory for the CPU backend, CUDA
  *    device memory (of params.device) for the CUDA backend. Metadata (positions given to
  *    conduit_seq_append, slot lists given to compaction, keys) is always host memory.
@@ -257,8 +262,9 @@ CONDUIT_API conduit_status conduit_seq_get_positions(const conduit_seq *seq, int
 
 /* Removes from every layer the tokens whose position is in [p0, p1), keeps the others in order
  * and returns emptied blocks to the pool. Removing a tail never copies; removing from the middle
- * moves the later tokens down (on `stream`). Errors: ARENA_FULL (a shared block had to be copied
- * and no block was free; the sequence is unchanged). */
+ * moves the later tokens down (on `stream`). A range that holds no stored position changes
+ * nothing. Errors: INVALID_ARGUMENT (p0 > p1), ARENA_FULL (a shared block had to be copied and no
+ * block was free); the sequence is unchanged on error. */
 CONDUIT_API conduit_status conduit_seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream);
 
 /* Keeps only the given slots of one layer (host int32 [n_keep], strictly increasing), in that
@@ -408,7 +414,11 @@ CONDUIT_API conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t 
  * conduit_step_prepare updates it in place on the host side, and conduit_step_write_kv,
  * conduit_step_attention and conduit_step_write_kv_attention only enqueue kernels that read it. A
  * CUDA graph that captured them (for every layer) therefore replays correctly at every later step,
- * as long as each replay follows a prepare with the same number of sequences. One step:
+ * as long as each replay follows a prepare with the same number of sequences. Between a prepare and
+ * the kernels of its step, its sequences must not change: once one of them was freed or one of its
+ * block tables or lengths changed (append, truncate, compact, fork, a write that copied a shared
+ * block), the step's kernels refuse to run with INVALID_ARGUMENT, since the blocks they would write
+ * may belong to another sequence by then (a replayed graph runs unchecked). One step:
  *   conduit_step_prepare(step, n, seqs, positions, stream);          host work, not captured
  *   for each layer: conduit_step_write_kv_attention(...);             capturable
  *     (or conduit_step_write_kv(...); conduit_step_attention(...);)
@@ -439,7 +449,8 @@ CONDUIT_API conduit_status conduit_step_prepare(conduit_step *step, int32_t n_se
 /* Writes the new tokens' K and V into one layer: k, v device [n_seqs, n_kv_heads, head_dim] (row i:
  * sequence i of the last prepare), arena dtype; K rotated at rope_pos (device int32 [n_seqs] for
  * NEOX, [3, n_seqs] for MROPE, or NULL: no RoPE). Enqueues one kernel; capturable. Errors:
- * INVALID_ARGUMENT (bad layer, not prepared, NULL k or v, rope_pos without a RoPE set). */
+ * INVALID_ARGUMENT (bad layer, not prepared, a sequence of the prepare freed or changed since, NULL
+ * k or v, rope_pos without a RoPE set). */
 CONDUIT_API conduit_status conduit_step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v,
                                                  const int32_t *rope_pos, void *stream);
 
@@ -448,7 +459,8 @@ CONDUIT_API conduit_status conduit_step_write_kv(conduit_step *step, int32_t lay
  * included. out: device [n_seqs, n_heads, head_dim], arena dtype; lse: device float32 [n_seqs,
  * n_heads] (natural log) or NULL. The kernel grid depends on the batch size and max_tokens only.
  * Enqueues one or two kernels (the second merges the key splits); capturable. Errors:
- * INVALID_ARGUMENT (bad layer, not prepared, NULL q or out). */
+ * INVALID_ARGUMENT (bad layer, not prepared, a sequence of the prepare freed or changed since, NULL
+ * q or out). */
 CONDUIT_API conduit_status conduit_step_attention(conduit_step *step, int32_t layer, const void *q, float scale,
                                                   void *out, float *lse, void *stream);
 

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <type_traits>
 
 #include "arena.h"
 #include "error.h"
@@ -49,12 +50,25 @@ template <typename F> conduit_status guard(F &&body) {
     }
 }
 
+// The value a C caller passed for an enum, read as its underlying integer. A C caller may pass any
+// int, and in C++ reading a value outside an enum's range as the enum type is undefined: every enum
+// that comes through the ABI is read here and checked as an integer before it is used as the enum.
+template <typename E> int64_t enum_value(const E &e) {
+    static_assert(std::is_enum_v<E>);
+    std::underlying_type_t<E> raw;
+    std::memcpy(&raw, &e, sizeof(raw));
+    return int64_t(raw);
+}
+
+bool is_backend(int64_t b) { return b == CONDUIT_BACKEND_CPU || b == CONDUIT_BACKEND_CUDA; }
+
 #define REQUIRE_HANDLE(h) CONDUIT_REQUIRE((h) != nullptr, "%s is NULL", #h)
 
 void check_params(const conduit_arena_params &p) {
-    CONDUIT_REQUIRE(p.backend == CONDUIT_BACKEND_CPU || p.backend == CONDUIT_BACKEND_CUDA, "unknown backend %d",
-                    int(p.backend));
-    CONDUIT_REQUIRE(conduit_dtype_size(p.dtype) != 0, "unknown dtype %d", int(p.dtype));
+    CONDUIT_REQUIRE(is_backend(enum_value(p.backend)), "unknown backend %lld", (long long)enum_value(p.backend));
+    const int64_t dtype = enum_value(p.dtype);
+    CONDUIT_REQUIRE(dtype == CONDUIT_DTYPE_F32 || dtype == CONDUIT_DTYPE_F16 || dtype == CONDUIT_DTYPE_BF16,
+                    "unknown dtype %lld", (long long)dtype);
     CONDUIT_REQUIRE(p.n_layers >= 1 && p.n_layers <= 4096, "n_layers = %d out of range [1, 4096]", p.n_layers);
     CONDUIT_REQUIRE(p.n_kv_heads >= 1 && p.n_kv_heads <= 1024, "n_kv_heads = %d out of range [1, 1024]", p.n_kv_heads);
     CONDUIT_REQUIRE(p.head_dim >= 8 && p.head_dim <= 256 && p.head_dim % 8 == 0,
@@ -77,11 +91,13 @@ void check_params(const conduit_arena_params &p) {
 extern "C" {
 
 const char *conduit_version(void) { return CONDUIT_VERSION_STRING; }
-int32_t conduit_backend_compiled(conduit_backend backend) { return backend_compiled(backend) ? 1 : 0; }
+int32_t conduit_backend_compiled(conduit_backend backend) {
+    return is_backend(enum_value(backend)) && backend_compiled(backend) ? 1 : 0;
+}
 
 int32_t conduit_backend_available(conduit_backend backend) {
     try {
-        return backend_available(backend) ? 1 : 0;
+        return is_backend(enum_value(backend)) && backend_available(backend) ? 1 : 0;
     } catch (...) {
         return 0;
     }
@@ -107,7 +123,7 @@ const char *conduit_status_name(conduit_status status) {
 }
 
 size_t conduit_dtype_size(conduit_dtype dtype) {
-    switch (dtype) {
+    switch (enum_value(dtype)) {
     case CONDUIT_DTYPE_F32: return 4;
     case CONDUIT_DTYPE_F16:
     case CONDUIT_DTYPE_BF16: return 2;
@@ -148,8 +164,9 @@ conduit_status conduit_arena_set_rope(conduit_arena *arena, const conduit_rope_p
         REQUIRE_HANDLE(arena);
         REQUIRE_HANDLE(rope);
         const int32_t half = arena->params.head_dim / 2;
-        CONDUIT_REQUIRE(rope->type >= CONDUIT_ROPE_NONE && rope->type <= CONDUIT_ROPE_MROPE, "unknown RoPE type %d",
-                        int(rope->type));
+        const int64_t type = enum_value(rope->type);
+        CONDUIT_REQUIRE(type >= CONDUIT_ROPE_NONE && type <= CONDUIT_ROPE_MROPE, "unknown RoPE type %lld",
+                        (long long)type);
         if (rope->type != CONDUIT_ROPE_NONE) {
             CONDUIT_REQUIRE(rope->n_freq >= 1 && rope->n_freq <= half, "n_freq = %d out of range [1, %d]", rope->n_freq,
                             half);
@@ -451,7 +468,7 @@ conduit_status conduit_seq_restore_images(conduit_seq *seq, int32_t first_layer,
 }
 
 size_t conduit_topk_workspace_bytes(conduit_backend backend, int32_t n) {
-    if (n < 0 || !backend_compiled(backend)) return 0;
+    if (n < 0 || !is_backend(enum_value(backend)) || !backend_compiled(backend)) return 0;
 #ifdef CONDUIT_WITH_CUDA
     if (backend == CONDUIT_BACKEND_CUDA) return kernels::cuda::topk_workspace_bytes(n);
 #endif
@@ -462,12 +479,12 @@ conduit_status conduit_topk(conduit_backend backend, int32_t device, const float
                             conduit_index_type index_type, void *indices, void *workspace, size_t workspace_bytes,
                             void *stream) {
     return guard([&] {
-        CONDUIT_REQUIRE(backend == CONDUIT_BACKEND_CPU || backend == CONDUIT_BACKEND_CUDA, "unknown backend %d",
-                        int(backend));
+        CONDUIT_REQUIRE(is_backend(enum_value(backend)), "unknown backend %lld", (long long)enum_value(backend));
         CONDUIT_REQUIRE(n >= 0, "n = %d must be >= 0", n);
         CONDUIT_REQUIRE(k >= 0 && k <= n, "k = %d out of range [0, n = %d]", k, n);
-        CONDUIT_REQUIRE(index_type == CONDUIT_INDEX_I32 || index_type == CONDUIT_INDEX_I64, "unknown index_type %d",
-                        int(index_type));
+        const int64_t index = enum_value(index_type);
+        CONDUIT_REQUIRE(index == CONDUIT_INDEX_I32 || index == CONDUIT_INDEX_I64, "unknown index_type %lld",
+                        (long long)index);
         const Device dev(backend, device, kernels::Tuning{}); // top-k has no launch choices to tune
         const size_t needed = dev.topk_workspace_bytes(n);
         CONDUIT_REQUIRE(workspace_bytes >= needed, "workspace_bytes = %zu, top-k of %d scores needs %zu",

@@ -88,12 +88,28 @@ conduit_arena::~conduit_arena() {
     device.free(pool_memory);
 }
 
+conduit_arena::Evictable conduit_arena::evictable() const {
+    Evictable out;
+    for (const auto &kv : images) {
+        const ImageEntry &e = *kv.second;
+        if (e.refs == 0 && e.committed) {
+            out.blocks += e.n_blocks;
+            out.bytes += size_t(e.n_blocks) * block_bytes;
+        }
+    }
+    return out;
+}
+
 void conduit_arena::reserve_blocks(int64_t n) {
+    if (pool.n_free() >= n) return;
+    // Checked before evicting: a call that fails keeps the image entries it could not use.
+    const int64_t spare = evictable().blocks;
+    if (pool.n_free() + spare < n)
+        fail(CONDUIT_ERR_ARENA_FULL,
+             "KV arena full: %lld blocks needed, %lld free of %lld (%zu bytes each) and %lld in unused image entries",
+             (long long)n, (long long)pool.n_free(), (long long)pool.n_blocks(), block_bytes, (long long)spare);
     while (pool.n_free() < n && evict_one_image()) {
     }
-    if (pool.n_free() < n)
-        fail(CONDUIT_ERR_ARENA_FULL, "KV arena full: %lld blocks needed, %lld free of %lld (%zu bytes each)",
-             (long long)n, (long long)pool.n_free(), (long long)pool.n_blocks(), block_bytes);
 }
 
 std::vector<int32_t> conduit_arena::take_blocks(int64_t n) {
@@ -142,7 +158,17 @@ kernels::LayerView conduit_arena::view(LayerTable &table, void *stream) {
     return v;
 }
 
-void conduit_arena::reserve_upload(size_t n_ints) { scratch.get(device, (n_ints * sizeof(int32_t) + 255) / 256 * 256); }
+namespace {
+
+size_t align_upload(size_t bytes) { return (bytes + 255) / 256 * 256; } // each list of upload_ints starts aligned
+
+} // namespace
+
+void conduit_arena::reserve_upload(std::initializer_list<int64_t> list_lengths, size_t extra_bytes) {
+    size_t total = extra_bytes;
+    for (int64_t n : list_lengths) total += align_upload(size_t(n) * sizeof(int32_t));
+    scratch.get(device, total);
+}
 
 void conduit_arena::require_query_heads(int32_t n_heads) const {
     CONDUIT_REQUIRE(n_heads > 0 && n_heads % params.n_kv_heads == 0,
@@ -159,7 +185,7 @@ kernels::Rope conduit_arena::rope_for(const int32_t *rope_pos) const {
 std::vector<const int32_t *> conduit_arena::upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,
                                                         size_t extra_bytes, void **extra, void *stream) {
     // Each list starts on a 256-byte boundary so that kernels may use vector loads on it.
-    auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+    const auto align = align_upload;
     size_t total = 0;
     for (auto &l : lists) total += align(size_t(l.second) * sizeof(int32_t));
     char *base = static_cast<char *>(scratch.get(device, total + extra_bytes));

@@ -81,6 +81,9 @@ struct ImageEntry {
 struct conduit_seq {
     conduit_arena *arena;
     std::vector<std::unique_ptr<conduit::LayerTable>> layers;
+    // Changes whenever a block table or a length of the sequence changes (conduit::mark_changed): a
+    // decode step checks it to refuse kernels over tables that moved since its prepare.
+    uint64_t version = 0;
 };
 
 struct conduit_arena {
@@ -104,12 +107,20 @@ struct conduit_arena {
     size_t image_bytes = 0;
     int64_t image_evictions = 0;
     uint64_t clock = 0;
+    uint64_t seq_versions = 0; // the last version given to a sequence (conduit_seq::version)
 
     // Takes n blocks, evicting unreferenced image entries (LRU) if the pool is short.
-    // Throws Error(ARENA_FULL) having changed nothing but evictions.
+    // Throws Error(ARENA_FULL) having changed nothing, evicting nothing, when even evicting every
+    // unreferenced entry would leave fewer than n blocks free.
     std::vector<int32_t> take_blocks(int64_t n);
     // Ensures n blocks are free (evicting as above) without taking them.
     void reserve_blocks(int64_t n);
+    // Blocks and bytes that evicting every unreferenced committed image entry would free.
+    struct Evictable {
+        int64_t blocks = 0;
+        size_t bytes = 0;
+    };
+    Evictable evictable() const;
     void release_blocks(std::vector<int32_t> &blocks);
 
     conduit::kernels::LayerView view(conduit::LayerTable &table, void *stream);
@@ -123,9 +134,9 @@ struct conduit_arena {
     // (null for a null list). Valid until the next call that uses the scratch.
     std::vector<const int32_t *> upload_ints(const std::vector<std::pair<const int32_t *, int32_t>> &lists,
                                              size_t extra_bytes, void **extra, void *stream);
-    // Grows the scratch now so that a later upload_ints of one list of up to n ints cannot fail on
-    // allocation (for operations that must not fail after they changed something).
-    void reserve_upload(size_t n_ints);
+    // Grows the scratch now so that a later upload_ints of lists of these lengths (and extra_bytes)
+    // cannot fail on allocation (for operations that must not fail after they changed something).
+    void reserve_upload(std::initializer_list<int64_t> list_lengths, size_t extra_bytes = 0);
 
     bool evict_one_image(); // false when nothing is evictable
     void free_image_entry(conduit::ImageEntry *entry);

@@ -41,16 +41,20 @@ conduit_image *image_create(conduit_arena *arena, const uint8_t *key, int32_t n_
     if (arena->images.count(k)) fail(CONDUIT_ERR_EXISTS, "an image entry under this key already exists");
 
     const int32_t bs = arena->params.block_size;
-    const int64_t per_layer = (n_tokens + bs - 1) / bs;
+    const int64_t per_layer = (int64_t(n_tokens) + bs - 1) / bs; // int64: n_tokens may be near INT32_MAX
     const int64_t n_blocks = per_layer * arena->params.n_layers;
     const size_t bytes = size_t(n_blocks) * arena->block_bytes;
     if (bytes > budget)
         fail(CONDUIT_ERR_ARENA_FULL, "an image entry of %d tokens needs %zu bytes, over image_cache_bytes = %zu",
              n_tokens, bytes, budget);
-    while (arena->image_bytes + bytes > budget)
-        if (!arena->evict_one_image())
-            fail(CONDUIT_ERR_ARENA_FULL, "image store full: %zu of %zu bytes held by entries in use", arena->image_bytes,
-                 budget);
+    // Both limits are checked before anything is evicted: a call that fails keeps every entry. The
+    // evictions for the budget free blocks too, so the pool check below them holds after them.
+    const conduit_arena::Evictable spare = arena->evictable();
+    if (arena->image_bytes - spare.bytes + bytes > budget)
+        fail(CONDUIT_ERR_ARENA_FULL, "image store full: %zu of %zu bytes held by entries in use",
+             arena->image_bytes - spare.bytes, budget);
+    arena->reserve_blocks(n_blocks);
+    while (arena->image_bytes + bytes > budget) arena->evict_one_image();
     std::vector<int32_t> blocks = arena->take_blocks(n_blocks);
 
     auto entry = std::make_unique<ImageEntry>();

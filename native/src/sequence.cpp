@@ -9,6 +9,9 @@
 #include "error.h"
 
 namespace conduit {
+
+void mark_changed(conduit_seq *seq) { seq->version = ++seq->arena->seq_versions; }
+
 namespace {
 
 int64_t blocks_for(int64_t n_tokens, int32_t block_size) { return (n_tokens + block_size - 1) / block_size; }
@@ -109,6 +112,7 @@ int32_t prepare_write(conduit_seq *seq, int32_t first, int32_t count, int32_t n,
     for (int32_t j = 0; j < count; ++j) n_shared += count_shared(arena, *seq->layers[size_t(first + j)], touched);
     std::vector<int32_t> fresh = arena->take_blocks(n_shared); // the last step that can fail
     for (int32_t j = 0; j < count; ++j) make_exclusive(arena, *seq->layers[size_t(first + j)], touched, fresh, true, stream);
+    if (n_shared > 0) mark_changed(seq);
     return fewest->n_tokens();
 }
 
@@ -152,13 +156,19 @@ void compact_layer(conduit_seq *seq, LayerTable &t, const int32_t *keep, int32_t
     std::vector<int32_t> tail(blocks.begin() + new_nb, blocks.end());
     t.blocks.truncate(size_t(new_nb));
     arena->release_blocks(tail);
+    mark_changed(seq);
 }
 
+// The blocks a compaction of a layer to the (validated) slots `keep` takes, with the scratch its
+// staging needs grown now (compact_layer's upload), so that it cannot fail on allocation once it has
+// taken blocks or compacted another layer.
 int64_t compact_need(conduit_arena *arena, const LayerTable &t, const int32_t *keep, int32_t m) {
     bool is_prefix = true;
     for (int32_t i = 0; i < m && is_prefix; ++i) is_prefix = keep[i] == i;
     if (is_prefix) return 0;
-    return count_shared(arena, t, block_range(0, blocks_for(m, arena->params.block_size) - 1));
+    const int64_t new_nb = blocks_for(m, arena->params.block_size);
+    arena->reserve_upload({m, new_nb}, size_t(new_nb) * arena->block_bytes);
+    return count_shared(arena, t, block_range(0, new_nb - 1));
 }
 
 } // namespace
@@ -169,6 +179,7 @@ conduit_seq *seq_create(conduit_arena *arena) {
     for (int32_t l = 0; l < arena->params.n_layers; ++l) seq->layers.push_back(std::make_unique<LayerTable>());
     conduit_seq *raw = seq.release();
     arena->seqs.insert(raw);
+    mark_changed(raw);
     return raw;
 }
 
@@ -190,6 +201,7 @@ conduit_seq *seq_fork(conduit_seq *seq, void *stream) {
     for (auto &layer : seq->layers) partial += layer->n_tokens() % bs != 0;
     std::vector<int32_t> fresh = arena->take_blocks(partial);
     conduit_seq *child = seq_create(arena);
+    mark_changed(seq); // its full blocks are shared from now on: a write must copy them first
     char *pool = static_cast<char *>(arena->pool_memory);
     for (size_t l = 0; l < seq->layers.size(); ++l) {
         const LayerTable &src = *seq->layers[l];
@@ -229,6 +241,7 @@ void seq_append(conduit_seq *seq, const conduit_pos *positions, int32_t n) {
         }
         layer->append_positions(positions, n);
     }
+    if (n > 0) mark_changed(seq);
 }
 
 void seqs_append_step(conduit_seq *const *seqs, const conduit_pos *positions, int32_t n, int32_t max_tokens,
@@ -264,6 +277,7 @@ void seqs_append_step(conduit_seq *const *seqs, const conduit_pos *positions, in
             }
             t.append_positions(&positions[i], 1);
         }
+        mark_changed(seqs[i]);
     }
     // Two sequences of the batch may share one partial block: the first one's copy leaves the second
     // its sole owner, and the block counted for the second is not needed.
@@ -271,7 +285,7 @@ void seqs_append_step(conduit_seq *const *seqs, const conduit_pos *positions, in
 }
 
 void seq_truncate(conduit_seq *seq, conduit_pos p0, conduit_pos p1, void *stream) {
-    CONDUIT_REQUIRE(p0 <= p1, "empty or reversed position range [%d, %d)", p0, p1);
+    CONDUIT_REQUIRE(p0 <= p1, "reversed position range [%d, %d)", p0, p1);
     conduit_arena *arena = seq->arena;
     std::vector<std::vector<int32_t>> keeps;
     int64_t need = 0;

@@ -6,6 +6,9 @@
 
 namespace conduit {
 
+// Gives the sequence a new version (conduit_seq::version): called by every operation that changes
+// one of its block tables or lengths.
+void mark_changed(conduit_seq *seq);
 conduit_seq *seq_create(conduit_arena *arena);
 void seq_free(conduit_seq *seq);
 conduit_seq *seq_fork(conduit_seq *seq, void *stream);

@@ -46,11 +46,21 @@ void diff_into(const std::vector<int32_t> &mirror, int64_t offset, const int32_t
     }
 }
 
-// The checks every step kernel shares: a layer of the arena, and a prepared step.
+// The checks every step kernel shares: a layer of the arena, and a prepared step whose sequences are
+// alive and unchanged since (a freed sequence's blocks may belong to another one by now). A freed
+// sequence is found by its absence from the arena: the pointer is compared, never read.
 void require_prepared(const conduit_step *step, int32_t layer) {
-    const int32_t n_layers = step->arena->params.n_layers;
+    const conduit_arena *arena = step->arena;
+    const int32_t n_layers = arena->params.n_layers;
     CONDUIT_REQUIRE(layer >= 0 && layer < n_layers, "layer %d out of range [0, %d)", layer, n_layers);
     CONDUIT_REQUIRE(step->n_seqs > 0, "the step was not prepared (call conduit_step_prepare first)");
+    for (size_t i = 0; i < step->prepared.size(); ++i) {
+        const conduit_seq *seq = step->prepared[i].first;
+        const bool alive = arena->seqs.count(const_cast<conduit_seq *>(seq)) != 0;
+        const bool unchanged = alive && seq->version == step->prepared[i].second;
+        CONDUIT_REQUIRE(unchanged,
+                        "sequence %zu of the step was freed or changed since conduit_step_prepare (call it again)", i);
+    }
 }
 
 } // namespace
@@ -65,11 +75,12 @@ conduit_step *step_create(conduit_arena *arena, int32_t max_seqs, int32_t max_to
     step->max_seqs = max_seqs;
     step->max_tokens = max_tokens;
     step->n_heads = n_heads;
-    step->table_stride = (max_tokens + p.block_size - 1) / p.block_size;
+    step->table_stride = int32_t((int64_t(max_tokens) + p.block_size - 1) / p.block_size); // no int32 overflow
     const int64_t total = step->tables_ints() + int64_t(p.n_layers) * max_seqs;
     CONDUIT_REQUIRE(total < INT32_MAX, "a step of %d sequences x %d tokens x %d layers is too large", max_seqs,
                     max_tokens, p.n_layers);
     step->mirror.assign(size_t(total), 0);
+    step->prepared.reserve(size_t(max_seqs)); // a prepare allocates nothing once its sequences changed
     // The split plan of fewer sequences has more splits: size the workspace for the largest need.
     kernels::BatchView shape = step->layer_view(0);
     for (int32_t n = 1; n <= max_seqs; ++n) {
@@ -116,7 +127,7 @@ void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, 
     size_t most_pairs = 0;
     for (int32_t i = 0; i < n_seqs; ++i)
         for (const auto &layer : seqs[i]->layers) most_pairs += layer->blocks.host().size() + 2;
-    step->arena->reserve_upload(2 * most_pairs);
+    step->arena->reserve_upload({int64_t(2 * most_pairs)});
     seqs_append_step(seqs, positions, n_seqs, step->max_tokens, stream);
 
     // Patch the device mirror: the rows that changed (a new block, a copy-on-write, a compaction
@@ -139,6 +150,8 @@ void step_prepare(conduit_step *step, int32_t n_seqs, conduit_seq *const *seqs, 
         for (size_t j = 0; j < pairs.size(); j += 2) step->mirror[size_t(pairs[j])] = pairs[j + 1];
     }
     step->n_seqs = n_seqs;
+    step->prepared.clear();
+    for (int32_t i = 0; i < n_seqs; ++i) step->prepared.emplace_back(seqs[i], seqs[i]->version);
 }
 
 void step_write_kv(conduit_step *step, int32_t layer, const void *k, const void *v, const int32_t *rope_pos,

@@ -15,6 +15,10 @@ struct conduit_step {
     int32_t max_seqs = 0, max_tokens = 0, n_heads = 0;
     int32_t table_stride = 0; // ints per block-table row: ceil(max_tokens / block_size)
     int32_t n_seqs = 0;       // sequences of the last prepare (0: not prepared yet)
+    // The sequences of the last prepare and their versions then (conduit_seq::version): the kernels
+    // read block tables uploaded by that prepare, so they refuse to run once one of those sequences
+    // was freed or its tables changed.
+    std::vector<std::pair<const conduit_seq *, uint64_t>> prepared;
     // Device: block tables [n_layers, max_seqs, table_stride], then lengths [n_layers, max_seqs].
     int32_t *state = nullptr;
     std::vector<int32_t> mirror; // what `state` holds on the device, to upload only what changed
