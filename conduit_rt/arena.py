@@ -10,9 +10,16 @@ on) and in its dtype; every kernel is enqueued on torch's current CUDA stream. S
 - causal positions, slots: Python ints or int tensors (any device; they are metadata).
 
 Every failure raises a typed ``conduit_rt.errors`` exception and leaves the objects usable.
+
+Lifetime: the library allows one thread at a time per arena (conduit.h). A sequence, step or image
+entry keeps its arena alive and is unusable once the arena is closed; its finalizer frees it only
+while the arena is open, and only under the arena's ``lock`` (taken without waiting: when another
+thread holds it, the handle is left for ``free_deferred``), since the garbage collector runs
+finalizers on whichever thread it interrupts.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Sequence as Seq
@@ -137,6 +144,10 @@ class KVArena:
                      "creating the KV arena")
         self._handle = out[0]
         self._children: weakref.WeakSet = weakref.WeakSet()
+        # Held by whoever drives the arena from several threads (a Runtime holds it for each piece of
+        # work); children finalized on another thread while it is held wait in ``_deferred``.
+        self.lock = threading.RLock()
+        self._deferred: list[tuple[object, object]] = []  # (the library's free function, handle)
         p = self._lib.conduit_arena_get_params(self._handle)
         self.n_layers, self.n_kv_heads, self.head_dim = p.n_layers, p.n_kv_heads, p.head_dim
         self.block_size, self.kv_bytes, self.image_cache_bytes = p.block_size, p.kv_bytes, p.image_cache_bytes
@@ -149,13 +160,26 @@ class KVArena:
             raise InvalidArgumentError("the arena is closed")
         return self._handle
 
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
     def close(self) -> None:
         """Frees the pool, its sequences and image entries; their Python objects become unusable."""
         if self._handle is not None:
             for child in list(self._children):
                 child._detach()
+            self._deferred.clear()  # freed with the pool
             self._lib.conduit_arena_free(self._handle)
             self._handle = None
+
+    def free_deferred(self) -> None:
+        """Frees the children finalized on another thread while ``lock`` was held. Call it holding
+        ``lock`` (a Runtime does whenever its work ends)."""
+        while self._deferred:
+            free, handle = self._deferred.pop()
+            if self._handle is not None:
+                free(handle)
 
     def __del__(self) -> None:
         try:
@@ -273,7 +297,10 @@ def _output_like(arena: KVArena, q: torch.Tensor, out: torch.Tensor | None) -> t
 
 
 class _Child:
-    """A native object owned by an arena; detached (unusable) once the arena is closed."""
+    """A native object owned by an arena; detached (unusable) once the arena is closed. ``_FREE`` names
+    the library function that frees (or releases) it."""
+
+    _FREE = ""
 
     def __init__(self, arena: KVArena, handle) -> None:
         self.arena = arena
@@ -287,19 +314,42 @@ class _Child:
 
     @property
     def handle(self):
-        if self._handle is None:
+        # The arena's own check as well: when both were garbage in one cycle (the garbage collector
+        # clears weak references before running finalizers, in any order) the arena may have been
+        # freed without detaching this object.
+        if self._handle is None or self.arena._handle is None:
             raise InvalidArgumentError(f"this {type(self).__name__} was freed (or its arena closed)")
         return self._handle
 
+    def free(self) -> None:
+        """Frees the native object; nothing when it is freed already or its arena is closed (freeing
+        the arena freed it)."""
+        handle, self._handle = self._handle, None
+        if handle is not None and self.arena._handle is not None:
+            getattr(self._lib, self._FREE)(handle)
+
     def __del__(self) -> None:
         try:
-            if self.arena._handle is None:
-                # The arena went first (both were garbage in one cycle, whose finalizers run in any
-                # order after weak references are cleared): freeing it freed this object natively.
-                self._handle = None
-            self.free()
+            self._finalize()
         except Exception:
             pass
+
+    def _finalize(self) -> None:
+        """Frees the object now when the arena's lock is free or this thread's, else leaves it to the
+        lock's holder (``KVArena.free_deferred``); never waits: the thread holding the lock may be
+        the one waiting for this thread."""
+        arena, handle = self.arena, self._handle
+        if handle is None or arena._handle is None:
+            return
+        if arena.lock.acquire(blocking=False):
+            try:
+                self.free()
+                arena.free_deferred()
+            finally:
+                arena.lock.release()
+        else:
+            self._handle = None
+            arena._deferred.append((getattr(self._lib, self._FREE), handle))
 
     def __enter__(self):
         return self
@@ -311,10 +361,7 @@ class _Child:
 class Sequence(_Child):
     """One sequence's KV: per-layer block tables with a stored causal position per token."""
 
-    def free(self) -> None:
-        if self._handle is not None:
-            self._lib.conduit_seq_free(self._handle)
-            self._handle = None
+    _FREE = "conduit_seq_free"
 
     def n_tokens(self, layer: int = 0) -> int:
         n = self._lib.conduit_seq_n_tokens(self.handle, layer)
@@ -516,15 +563,12 @@ class DecodeStep(_Child):
     the number of sequences prepared at capture: replay it only after a ``prepare`` of as many.
     """
 
+    _FREE = "conduit_step_free"
+
     def __init__(self, arena: KVArena, handle, max_seqs: int, max_tokens: int, n_heads: int) -> None:
         super().__init__(arena, handle)
         self.max_seqs, self.max_tokens, self.n_heads = max_seqs, max_tokens, n_heads
         self.n_seqs = 0
-
-    def free(self) -> None:
-        if self._handle is not None:
-            self._lib.conduit_step_free(self._handle)
-            self._handle = None
 
     def _require_prepared(self) -> None:
         if self.n_seqs == 0:
@@ -604,13 +648,10 @@ class DecodeStep(_Child):
 class ImageEntry(_Child):
     """A reference to an image-KV entry (pre-RoPE K and V of every layer). Release it when done."""
 
-    def free(self) -> None:
-        self.release()
+    _FREE = "conduit_image_release"
 
     def release(self) -> None:
-        if self._handle is not None:
-            self._lib.conduit_image_release(self._handle)
-            self._handle = None
+        self.free()
 
     @property
     def n_tokens(self) -> int:

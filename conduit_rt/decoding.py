@@ -135,7 +135,9 @@ class Decoder:
         logits [vocab]. Replayed from a CUDA graph when there is one and no layer observer needs the
         eager path."""
         if self.graphed is not None and capture is None:
-            return self.graphed.step(seq, token, position, rope_position)
+            # a copy: the graph's logits are overwritten by its next replay, which another stream's
+            # step may run before this one samples (streams interleave step by step, see Runtime)
+            return self.graphed.step(seq, token, position, rope_position).clone()
         device = self.model.device
         # full_ writes the scalars on the device (no blocking host-to-device copy)
         positions = torch.full((1,), position, dtype=torch.int32, device=device)

@@ -138,6 +138,11 @@ class DeviceUnavailableError(ConduitError, ValueError):
     device conduit-rt supports); the message lists the devices that are available."""
 
 
+class RuntimeClosedError(ConduitError, RuntimeError):
+    """The Runtime was closed (``Runtime.close``, or the end of its ``with`` block): its KV arena and
+    caches are freed. Create a new Runtime to answer more requests."""
+
+
 class MissingExtraError(ConduitError, ImportError):
     """An optional package a command needs is not installed; the message names the pip extra that
     installs it (``pip install 'conduit-rt[eval]'``)."""

@@ -68,12 +68,18 @@ class DecodedImages:
             self._items[digest] = (frozen, key)
             self.bytes += size
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
     def __len__(self) -> int:
         return len(self._items)
 
 
 class EmbeddingCache:
-    """image key -> features [n_tokens, hidden]; least recently used evicted past ``max_bytes``."""
+    """image key -> features [n_tokens, hidden]; least recently used evicted past ``max_bytes``. Not
+    thread-safe: a Runtime touches it only holding its lock."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -101,6 +107,10 @@ class EmbeddingCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._items
 
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -126,7 +136,8 @@ class CachedImage:
 
 
 class ImageKVStore:
-    """Pre-RoPE image KV of every layer in the arena's image store, with value norms beside it."""
+    """Pre-RoPE image KV of every layer in the arena's image store, with value norms beside it. Not
+    thread-safe (nor is the arena): a Runtime touches it only holding its lock."""
 
     def __init__(self, arena: KVArena) -> None:
         self.arena = arena

@@ -3,7 +3,8 @@
 A new request forks the kept sequence with the longest common prefix of token identities (text ids,
 and image keys for image tokens) and truncates the fork to that prefix: the prefix's full blocks are
 shared, nothing in it is recomputed. Entries go least recently used first, and all of them go when
-the arena runs short (the Runtime then retries the request once).
+the arena runs short (the Runtime then retries the request once). Not thread-safe (nor is the
+arena): a Runtime touches it only holding its lock.
 """
 from __future__ import annotations
 

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from .locking import RequestLock
 
 
 @dataclass(slots=True)
@@ -49,25 +52,38 @@ class TextStream:
 
     The stream owns the generator that decodes: it yields the pieces and returns the
     ``GenerationResult``. ``close`` ends the answer early (the request's sequence is given back as
-    for a finished one)."""
+    for a finished one). With a ``lock`` (a Runtime's), each step of the generator runs holding it,
+    and a stream dropped unfinished is closed under it (see ``locking``)."""
 
-    def __init__(self, pieces: Generator[str, None, GenerationResult]) -> None:
+    def __init__(self, pieces: Generator[str, None, GenerationResult], lock: RequestLock | None = None) -> None:
         self._pieces = pieces
         self._result: GenerationResult | None = None
+        self._lock, self._token = lock, None
+        if lock is not None:
+            self._token = lock.register(pieces)
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        try:
-            return next(self._pieces)
-        except StopIteration as done:
-            if self._result is None:
-                self._result = done.value
-            raise
+        with self._holding():
+            if self._lock is not None:
+                self._lock.check_open()
+            try:
+                return next(self._pieces)
+            except StopIteration as done:
+                if self._result is None:
+                    self._result = done.value
+                self._done()
+                raise
+            except BaseException:  # the error ended the generator
+                self._done()
+                raise
 
     def close(self) -> None:
-        self._pieces.close()
+        with self._holding():
+            self._pieces.close()
+            self._done()
 
     def finish(self) -> GenerationResult:
         """Decodes the rest of the answer; returns the result."""
@@ -80,3 +96,15 @@ class TextStream:
         if self._result is None:
             raise RuntimeError("the stream has not finished yet; iterate it to the end first")
         return self._result
+
+    def __del__(self) -> None:
+        if getattr(self, "_token", None) is not None:
+            self._lock.abandon(self._token)
+
+    def _holding(self) -> AbstractContextManager:
+        return self._lock if self._lock is not None else nullcontext()
+
+    def _done(self) -> None:
+        if self._token is not None:
+            self._lock.done(self._token)
+            self._token = None

@@ -8,11 +8,16 @@ The request path (``Runtime._answer``), one part per step:
   3. prefill: restore, text pass, the refresh policy's recompute   (reuse.ReusePass, refresh)
   4. compression of the prompt's KV, when asked                    (compress.compress_prompt)
   5. decode: sample, append, forward one token at a time; stream text (decoding.Decoder)
+
+Threads: every piece of that work holds the Runtime's ``lock`` (``locking.RequestLock``), per
+request phase and per decode step; see the ``Runtime`` docstring.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import time
+import weakref
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +34,7 @@ from .decoding import Decoder
 from .errors import ArenaFullError, DeviceUnavailableError
 from .image_cache import DecodedImages, EmbeddingCache, ImageKVStore
 from .limits import check_request_fits, check_runtime_arguments
+from .locking import RequestLock
 from .options import GenerationOptions
 from .planning import HeldSequence, Planner
 from .prefix_cache import PrefixCache
@@ -109,6 +115,21 @@ class Runtime:
             (``decode_graph.GraphedDecoder``) instead of launching it from Python, and the dense work
             of prefill passes of up to 1024 tokens between their attentions
             (``prefill_graph.PrefillGraphs``).
+
+    Threads: one Runtime may serve any number of threads. Its work is serialised by one re-entrant
+    lock (``lock``), taken for a request's read and prefill (its stream's first step), for each
+    decode step, and for the end of a request; the streams of several threads interleave step by
+    step. Everything requests share (the KV arena, the prefix cache, the image-KV store, the
+    embedding and decoded-image caches, the CUDA graphs) is touched only under it, so a request
+    gets the answer it would get alone on the caches as its prefill found them: the serial answer
+    whenever the order of requests cannot change what the caches hold for it. A ``ChatSession`` is
+    one conversation: send its turns one after another. A stream dropped unfinished gives its
+    sequence back when it is garbage-collected (or at the end of the step another thread was
+    running then), and ``close`` ends every open stream.
+
+    Lifetime: ``close`` (or leaving a ``with Runtime(...) as runtime:`` block) ends the open streams
+    and frees the KV arena, the caches and the CUDA graphs; later calls raise RuntimeClosedError.
+    Runtimes still open at interpreter exit are closed then, before the interpreter tears down.
     """
 
     def __init__(self, model_path: str | Path, mmproj: str | Path | None = None, device: str | torch.device = "auto",
@@ -153,6 +174,8 @@ class Runtime:
         self.decoder = Decoder(model, self.arena, cuda_graphs, source)
         self.planner = Planner(model, self.arena, self.requests, PrefixCache(prefix_cache_entries), image_kv,
                                cuda_graphs)
+        self.lock = RequestLock(self.arena.lock, self.arena.free_deferred)
+        _OPEN_RUNTIMES.add(self)
 
     @property
     def assets(self):
@@ -171,14 +194,40 @@ class Runtime:
                held: HeldSequence | None = None, **overrides) -> TextStream:
         """Like ``generate``, yielding text pieces as they decode; ``.result`` holds the whole answer.
         ``held``: run on (and give back to) this sequence instead of the prefix cache, as a chat
-        session's turns do."""
-        return TextStream(self._answer(messages, GenerationOptions.of(options, **overrides), held))
+        session's turns do. The work runs as the stream is iterated, each step holding ``lock``."""
+        return TextStream(self._answer(messages, GenerationOptions.of(options, **overrides), held), self.lock)
 
     def chat(self) -> "ChatSession":
         """A multi-turn session that keeps its sequence in the arena between turns."""
         from .session import ChatSession
 
+        self.lock.check_open()
         return ChatSession(self)
+
+    def close(self) -> None:
+        """Ends every open stream (each gives its sequence back, as a closed stream does), then frees
+        the KV arena with every sequence and image entry in it, the prefix cache, the embedding and
+        decoded-image caches and the CUDA graphs. Later calls raise RuntimeClosedError; closing again
+        does nothing. Waits for the step another thread is running, if any."""
+        self.lock.close(self._free)
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _free(self) -> None:
+        """What ``close`` frees, holding the lock once the open streams are closed."""
+        self.planner.prefix_cache.clear()
+        if self.decoder.graphed is not None:
+            self.decoder.graphed.close()
+        if self.planner.prefill_graphs is not None:
+            self.planner.prefill_graphs.close()
+        self.requests.embeddings.clear()
+        self.requests.decoded_images.clear()
+        self.arena.close()
+        _OPEN_RUNTIMES.discard(self)
 
     # -- the request path -----------------------------------------------------------------------------
     def _answer(self, messages: list[dict], options: GenerationOptions,
@@ -204,13 +253,20 @@ class Runtime:
             raise
         finally:
             if whole:
-                generated = result.tokens if result is not None else []
-                # a compressed sequence no longer holds its prompt exactly: never an exact prefix again
-                n_held = prefilled.seq.n_tokens(0)
-                identity = [] if options.compress else (request.identity + [("t", t) for t in generated])[:n_held]
-                self.planner.keep(prefilled.seq, identity, held)
-            else:  # a failed step may have left KV half written: freed, never an exact prefix
+                self._give_back(prefilled.seq, request, options, result, held)
+            elif not self.arena.closed:  # a failed step may have left KV half written: freed, never an exact prefix
                 prefilled.seq.free()
+
+    def _give_back(self, seq: Sequence, request: Request, options: GenerationOptions,
+                   result: GenerationResult | None, held: HeldSequence | None) -> None:
+        """Gives a finished (or closed) request's sequence to its session or the prefix cache."""
+        if self.arena.closed:  # a Runtime collected along with its arena: the sequence went with it
+            return
+        generated = result.tokens if result is not None else []
+        # a compressed sequence no longer holds its prompt exactly: never an exact prefix again
+        n_held = seq.n_tokens(0)
+        identity = [] if options.compress else (request.identity + [("t", t) for t in generated])[:n_held]
+        self.planner.keep(seq, identity, held)
 
     def _prefill(self, request: Request, options: GenerationOptions, held: HeldSequence | None) -> _Prefilled:
         """Plans the exact prefix and the restored images, then runs the prefill pass over them."""
@@ -233,6 +289,20 @@ class Runtime:
             return None
         return compress_prompt(compression, options.keep, options.compress_options, prefilled.seq, self.model.config,
                                prefilled.capture.queries, request.post_vision_positions(), prefilled.stats)
+
+
+# Runtimes not closed yet. At interpreter exit they are closed while every module is still whole;
+# left to the final garbage collection, a stream's cleanup could run after its arena was freed.
+_OPEN_RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_runtimes() -> None:
+    for runtime in list(_OPEN_RUNTIMES):
+        try:
+            runtime.close()
+        except Exception:  # noqa: BLE001 (exiting anyway: close the others)
+            logger.exception("closing a Runtime at exit failed")
 
 
 def _kv_bytes(model, dtype: torch.dtype, device: torch.device) -> int:

@@ -13,7 +13,10 @@ from .runtime import Runtime
 class ChatSession:
     """``send`` takes the new user message (a string, or a content list with images), answers it and
     keeps both in ``history`` (the whole conversation in chat format); ``held`` is the sequence the
-    session keeps in the arena between turns."""
+    session keeps in the arena between turns.
+
+    One conversation: send its turns one after another (from any thread). Sessions of one Runtime
+    may run at once on different threads, as any requests may (see ``Runtime``)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -37,8 +40,9 @@ class ChatSession:
             self.history = messages + [{"role": "assistant", "content": answer.result.text}]
             return answer.result
 
-        return TextStream(turn())
+        return TextStream(turn(), self.runtime.lock)
 
     def close(self) -> None:
         """Frees the session's sequence."""
-        self.held.free()
+        with self.runtime.lock:
+            self.held.free()

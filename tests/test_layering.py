@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "conduit_rt"
 
 # (layer, name, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS = [
-    (0, "foundation", ["errors", "extras", "config", "gguf_names", "gguf_keys", "results", "validation"]),
+    (0, "foundation", ["errors", "extras", "config", "gguf_names", "gguf_keys", "locking", "results", "validation"]),
     (1, "native binding", ["native"]),
     (2, "arena", ["arena", "topk"]),
     (3, "model and policies", ["model_config", "model_file", "preprocess", "tokenizer", "chat", "sampling",
