@@ -41,12 +41,14 @@ _KEY_DOMAIN = b"conduit-rt image key v1\0"
 def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
     """Decode a path, encoded bytes or a PIL image into a loaded PIL image (mode unchanged).
 
-    EXIF orientation is not applied, as Hugging Face's processors do not apply it.
-    Raises ``RequestError`` when the input cannot be read or decoded; ``name`` says in it what the
-    bytes are (the path they were read from).
+    EXIF orientation is not applied, as Hugging Face's processors do not apply it. A PIL image
+    the caller opened lazily is decoded here too. Raises ``RequestError`` when the input cannot
+    be read or decoded; ``name`` says in it what the bytes are (the path they were read from).
     """
     if isinstance(image, Image.Image):
-        return image
+        name = name or f"<PIL.Image {image.format or image.mode}>"
+        _check_pixel_count(image, name)
+        return _decoded(image.load, image, name)
     if isinstance(image, (bytes, bytearray, memoryview)):
         source: Any = io.BytesIO(bytes(image))
         name = name or f"<{len(image)} bytes>"
@@ -54,17 +56,40 @@ def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
         source = name = os.fspath(image)
     else:
         raise RequestError(f"an image must be a path, bytes or a PIL.Image, not {type(image).__name__}")
-    try:
+
+    def open_and_load() -> Image.Image:
         with Image.open(source) as opened:
+            _check_pixel_count(opened, name)
             opened.load()  # decode now, so the file can close and errors surface here
         return opened
+
+    return _decoded(open_and_load, None, name)
+
+
+def _check_pixel_count(image: Image.Image, name: str) -> None:
+    """Refuses, before decoding, an image over ``PIL.Image.MAX_IMAGE_PIXELS``: PIL itself only warns
+    up to twice that, and a file of a few hundred bytes can declare that many pixels."""
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and image.width * image.height > limit:
+        raise ImageTooLargeError(f"image {name} has {image.width} x {image.height} pixels, more than PIL decodes "
+                                 f"safely ({limit}); downscale it first")
+
+
+def _decoded(decode: Any, result: Image.Image | None, name: str) -> Image.Image:
+    """Runs ``decode`` (PIL's open/load), mapping its errors to ``RequestError``s naming ``name``."""
+    try:
+        decoded = decode()
+    except RequestError:
+        raise
     except FileNotFoundError as error:
         raise RequestError(f"image file not found: {name}") from error
     except Image.DecompressionBombError as error:
         raise ImageTooLargeError(f"image {name} has more pixels than PIL decodes safely ({str(error).rstrip('.')}); "
                                  "downscale it first") from error
-    except (UnidentifiedImageError, OSError, ValueError) as error:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as error:
+        # PIL's plugins report malformed files as any of these (SyntaxError: "not a TIFF file" etc.)
         raise RequestError(f"cannot decode image {name}: {error}") from error
+    return decoded if result is None else result
 
 
 def encoded_bytes(image: ImageInput | np.ndarray) -> bytes | None:
@@ -103,13 +128,18 @@ def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.
     pil = load_image(image, name)
     if pil.width == 0 or pil.height == 0:
         raise RequestError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
+    return np.asarray(_decoded(lambda: _to_rgb(pil), None, name or "<PIL.Image>"), dtype=np.uint8)
+
+
+def _to_rgb(pil: Image.Image) -> Image.Image:
+    """Transparency composited onto white, then RGB."""
     if "A" in pil.getbands() or pil.info.get("transparency") is not None:
         rgba = pil.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         pil = Image.alpha_composite(white, rgba)
     if pil.mode != "RGB":  # convert copies even within a mode: only when it changes something
         pil = pil.convert("RGB")
-    return np.asarray(pil, dtype=np.uint8)
+    return pil
 
 
 @dataclass(frozen=True, slots=True)
