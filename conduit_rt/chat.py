@@ -218,7 +218,20 @@ def validate_messages(messages: Any) -> tuple[list[dict], list[ImagePayload]]:
             _check_part(part, f"{where}['content'][{part_index}]")
             if part["type"] == "image":
                 images.append(part["image"])
-    return [_plain(message) for message in messages], images
+    try:
+        return [_plain(message) for message in messages], images
+    except RecursionError:
+        raise RequestError("messages nest too deeply or contain themselves (a cycle)") from None
+
+
+def _check_unicode(text: str) -> None:
+    """The tokenizer takes Unicode text only: a lone surrogate (from a bad decode) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            f"the messages hold text that is not valid Unicode ({error.reason}: {text[error.start:error.end]!r})"
+        ) from None
 
 
 def _per_image_counts(tokens_per_image: int | Sequence[int], num_images: int) -> list[int]:
@@ -276,6 +289,7 @@ def build_prompt(
     text = template.render(
         plain_messages, tokenizer.special_tokens.as_template_vars(), add_generation_prompt, **template_kwargs
     )
+    _check_unicode(text)
     bos = tokenizer.special_tokens.bos_token
     # as HF's processor after apply_chat_template: no second BOS when the template wrote one
     token_ids = tokenizer.encode(text, add_special_tokens=not (bos is not None and text.startswith(bos)))

@@ -1,8 +1,8 @@
 """Load converted model files: ``model.gguf`` (text decoder) and ``mmproj.gguf`` (vision + projector).
 
-``load_text_model_file(path)`` and ``load_mmproj_file(path, text)`` memory-map the file with
-``gguf.GGUFReader``, validate every key (presence and type), every tensor (name, shape, dtype,
-bytes inside the file) and, for the pair, that both come from the same source checkpoint and fit
+``load_text_model_file(path)`` and ``load_mmproj_file(path, text)`` memory-map and parse the file
+with ``gguf_parser`` (every count, length and offset checked against the file's size), validate
+every key (presence, type and range), every tensor (name, shape, dtype) and, for the pair, that both come from the same source checkpoint and fit
 together (projector output == text embedding length). Anything wrong raises ``ModelFormatError``
 naming the file and the key or tensor; an architecture conduit-rt cannot run raises
 ``UnsupportedArchitectureError``.
@@ -13,19 +13,29 @@ dequantized, and the llama.cpp RoPE row permutation of ``blk.N.attn_q/attn_k`` u
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, Keys, ReaderTensor
+from PIL import Image
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 from gguf.quants import dequantize
 
 from conduit_rt import gguf_names as names
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.gguf_keys import KeyReader
+from conduit_rt.gguf_parser import GGUFContents, GGUFTensorInfo, parse_gguf
 from conduit_rt.model_config import TEXT_ARCHITECTURES, QwenVisionConfig, TextModelConfig, VisionModelConfig
+from conduit_rt.model_keys import read_qwen_vision_config, read_text_config, read_vision_config
+
+if TYPE_CHECKING:
+    from conduit_rt.chat import ChatTemplate
+    from conduit_rt.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +43,26 @@ READABLE_TYPES = (
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
 )
 _ATTN_Q_BIAS = names.tensor_name(names.MODEL_TENSOR.ATTN_Q, "bias", 0)  # present iff attention_bias
-_HEADER_BYTES = 24  # magic, version, tensor count, kv count
-_GGUF_MAGIC = b"GGUF"
+# A resize target beyond this many times the tower's input side only crops most of the image away;
+# no checkpoint does that, and the bound keeps a file from sizing each request's resize buffer.
+MAX_RESIZE_FACTOR = 8
+# Qwen2-VL's stock max_pixels (28 * 28 * 16384, for 14-pixel patches): min_pixels above it would
+# upscale every image past the largest size the processor ever resizes to.
+QWEN_MAX_PIXELS = 28 * 28 * 16384
+RESAMPLING_FILTERS = frozenset(filter_.value for filter_ in Image.Resampling)
+# text architecture -> the projectors its mmproj may have
+_PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS}
+# little-endian element type of each unquantized readable type
+_PLAIN_DTYPES = {GGMLQuantizationType.F32: "<f4", GGMLQuantizationType.F16: "<f2", GGMLQuantizationType.BF16: "<i2"}
 
 
 class GGUFModelFile:
     """A validated, memory-mapped GGUF file; tensors by GGUF name, in Hugging Face layout."""
 
-    def __init__(self, path: Path, reader: GGUFReader) -> None:
+    def __init__(self, path: Path, contents: GGUFContents) -> None:
         self.path = path
-        self._reader = reader
-        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in reader.tensors}
+        self._contents = contents
+        self._tensors: dict[str, GGUFTensorInfo] = {t.name: t for t in contents.tensors}
 
     @property
     def tensor_names(self) -> list[str]:
@@ -55,7 +74,7 @@ class GGUFModelFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF-convention shape of ``name`` (GGUF stores dims innermost first; this is reversed)."""
-        return tuple(int(dim) for dim in reversed(self._get(name).shape.tolist()))
+        return self._get(name).shape
 
     def ggml_type(self, name: str) -> str:
         """The stored type of ``name``: "F32", "F16", "BF16" or "Q8_0"."""
@@ -69,21 +88,23 @@ class GGUFModelFile:
         """Every tensor by GGUF name (see ``tensor``)."""
         return {name: self.tensor(name, dtype, device) for name in self._tensors}
 
-    def _get(self, name: str) -> ReaderTensor:
+    def _get(self, name: str) -> GGUFTensorInfo:
         try:
             return self._tensors[name]
         except KeyError:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
-    def _decode(self, tensor: ReaderTensor) -> torch.Tensor:
-        shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
-        kind = tensor.tensor_type
-        if kind == GGMLQuantizationType.BF16:
-            raw = np.ascontiguousarray(tensor.data).view(np.int16).reshape(shape)
-            return torch.from_numpy(raw.copy()).view(torch.bfloat16)
+    def _decode(self, tensor: GGUFTensorInfo) -> torch.Tensor:
+        """The tensor's values, a fresh CPU tensor of ``tensor.shape`` (float32, float16 or bfloat16)."""
+        raw, shape, kind = self._contents.tensor_bytes(tensor), tensor.shape, tensor.tensor_type
         if kind == GGMLQuantizationType.Q8_0:
-            return torch.from_numpy(dequantize(np.asarray(tensor.data), kind).reshape(shape))
-        return torch.from_numpy(np.array(tensor.data, copy=True).reshape(shape))
+            block_size, type_size = GGML_QUANT_SIZES[kind]
+            rows = raw.reshape(-1, shape[-1] // block_size * type_size) if shape else raw
+            return torch.from_numpy(dequantize(rows, kind).reshape(shape))
+        if kind not in _PLAIN_DTYPES:
+            raise ModelFormatError(f"{self.path}: tensor {tensor.name} has type {kind.name}, which cannot be read")
+        values = torch.from_numpy(raw.view(_PLAIN_DTYPES[kind]).reshape(shape).astype(_PLAIN_DTYPES[kind][1:]))
+        return values.view(torch.bfloat16) if kind == GGMLQuantizationType.BF16 else values
 
 
 class TextModelFile(GGUFModelFile):
@@ -96,8 +117,8 @@ class TextModelFile(GGUFModelFile):
     permutes them for "llama" only, which is undone here.
     """
 
-    def __init__(self, path: Path, reader: GGUFReader, config: TextModelConfig) -> None:
-        super().__init__(path, reader)
+    def __init__(self, path: Path, contents: GGUFContents, config: TextModelConfig) -> None:
+        super().__init__(path, contents)
         self.config = config
 
     @property
@@ -105,7 +126,7 @@ class TextModelFile(GGUFModelFile):
         """Whether the attention projections have biases (``blk.N.attn_*.bias``)."""
         return _ATTN_Q_BIAS in self
 
-    def _decode(self, tensor: ReaderTensor) -> torch.Tensor:
+    def _decode(self, tensor: GGUFTensorInfo) -> torch.Tensor:
         # llama.cpp permutes attn_q/attn_k rows for interleaved RoPE; hand out HF's rotate-half order.
         decoded = super()._decode(tensor)
         if self.config.architecture == names.LLAMA_ARCH and names.is_rope_permuted(tensor.name):
@@ -121,16 +142,17 @@ class VisionModelFile(GGUFModelFile):
     or ``gguf_names.qwen_vision_mmproj_tensor_shapes`` (Qwen mergers, a ``QwenVisionConfig``).
     """
 
-    def __init__(self, path: Path, reader: GGUFReader, config: VisionModelConfig | QwenVisionConfig) -> None:
-        super().__init__(path, reader)
+    def __init__(self, path: Path, contents: GGUFContents, config: VisionModelConfig | QwenVisionConfig) -> None:
+        super().__init__(path, contents)
         self.config = config
 
 
 def load_text_model_file(path: str | Path) -> TextModelFile:
-    """Open and validate a text ``model.gguf``. Raises ``ModelFormatError`` / ``UnsupportedArchitectureError``."""
+    """Open and validate a text ``model.gguf``, its tokenizer and chat template included.
+    Raises ``ModelFormatError`` / ``UnsupportedArchitectureError``."""
     path = Path(path)
-    reader = open_gguf(path)
-    keys = KeyReader(reader, path)
+    contents = parse_gguf(path)
+    keys = KeyReader(contents.fields, path)
     kind = keys.str(Keys.General.TYPE, default=names.TYPE_MODEL)
     if kind != names.TYPE_MODEL:
         raise ModelFormatError(f"{path}: general.type is {kind!r}, not a text model (an mmproj file goes second)")
@@ -139,18 +161,19 @@ def load_text_model_file(path: str | Path) -> TextModelFile:
         raise UnsupportedArchitectureError(
             f"{path}: text architecture {arch!r} is not supported; supported: {', '.join(TEXT_ARCHITECTURES)}"
         )
-    config = _build_config(path, lambda: read_text_config(keys, reader, arch))
-    attention_bias = _ATTN_Q_BIAS in _names(reader)
-    validate_tensors(path, reader, config.tensor_shapes(attention_bias=attention_bias))
+    tensor_names = {tensor.name for tensor in contents.tensors}
+    config = _build_config(path, lambda: read_text_config(keys, tensor_names, arch))
+    validate_tensors(path, contents, config.tensor_shapes(attention_bias=_ATTN_Q_BIAS in tensor_names))
+    check_text_assets(path, config)
     logger.info("loaded %s: %s, %d layers, hidden %d", path, arch, config.num_hidden_layers, config.hidden_size)
-    return TextModelFile(path, reader, config)
+    return TextModelFile(path, contents, config)
 
 
 def load_mmproj_file(path: str | Path, text: TextModelFile | None = None) -> VisionModelFile:
     """Open and validate ``mmproj.gguf``; with ``text``, also check that the two files belong together."""
     path = Path(path)
-    reader = open_gguf(path)
-    keys = KeyReader(reader, path)
+    contents = parse_gguf(path)
+    keys = KeyReader(contents.fields, path)
     kind = keys.str(Keys.General.TYPE, default="")
     if kind != names.TYPE_MMPROJ or keys.str(Keys.General.ARCHITECTURE) != names.CLIP_ARCH:
         raise ModelFormatError(f"{path}: not an mmproj file (general.type {kind!r}, expected {names.TYPE_MMPROJ!r})")
@@ -163,12 +186,14 @@ def load_mmproj_file(path: str | Path, text: TextModelFile | None = None) -> Vis
             f"{path}: projector type {projector!r} is not supported; supported: {', '.join(supported)}"
         )
     read = read_vision_config if projector == names.PROJECTOR_MLP else read_qwen_vision_config
-    config = _build_config(path, lambda: read(keys))
-    validate_tensors(path, reader, config.tensor_shapes())
+    config = _build_config(path, lambda: read(keys, len(contents.tensors)))
+    validate_tensors(path, contents, config.tensor_shapes())
+    check_activations(path, config)
+    check_preprocessing(path, config)
     if text is not None:
         check_pair(text, path, config)
     logger.info("loaded %s: %s projector, %d vision blocks", path, projector, config.num_hidden_layers)
-    return VisionModelFile(path, reader, config)
+    return VisionModelFile(path, contents, config)
 
 
 def load_model_dir(dirpath: str | Path) -> tuple[TextModelFile, VisionModelFile]:
@@ -189,6 +214,12 @@ def check_pair(text: TextModelFile, mmproj_path: Path, vision: VisionModelConfig
         )
     if not (text_id and vision_id):
         logger.warning("%s or %s has no %s; only dimensions are checked", mmproj_path, text.path, names.ConduitKeys.SOURCE_ID)
+    projectors = _PROJECTORS[text.config.architecture]
+    if vision.projector_type not in projectors:
+        raise ModelFormatError(
+            f"{mmproj_path}: key {Keys.Clip.PROJECTOR_TYPE} {vision.projector_type!r} does not fit the "
+            f"{text.config.architecture!r} text model {text.path} (expected {', '.join(projectors)})"
+        )
     if vision.projection_dim != text.config.hidden_size:
         raise ModelFormatError(
             f"{mmproj_path}: projector output {vision.projection_dim} != text embedding length "
@@ -196,37 +227,15 @@ def check_pair(text: TextModelFile, mmproj_path: Path, vision: VisionModelConfig
         )
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Memory-map ``path`` with ``GGUFReader`` after checking it is a whole GGUF file."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such model file (convert a checkpoint with `conduit convert`)")
-    with path.open("rb") as handle:
-        header = handle.read(_HEADER_BYTES)
-    if header[:4] != _GGUF_MAGIC:
-        raise ModelFormatError(f"{path}: not a GGUF file (magic {header[:4]!r}, expected {_GGUF_MAGIC!r})")
-    if len(header) < _HEADER_BYTES:
-        raise ModelFormatError(f"{path}: truncated GGUF file ({len(header)} bytes)")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{path}: truncated or corrupt GGUF file ({exc})") from exc
-    file_size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > file_size:
-            raise ModelFormatError(f"{path}: truncated file: tensor {tensor.name} ends past the end of the file")
-    return reader
-
-
-def validate_tensors(path: Path, reader: GGUFReader, expected: dict[str, tuple[int, ...]]) -> None:
+def validate_tensors(path: Path, contents: GGUFContents, expected: dict[str, tuple[int, ...]]) -> None:
     """Every expected tensor present with its shape and a readable type; nothing else present."""
-    found = {tensor.name: tensor for tensor in reader.tensors}
+    found = {tensor.name: tensor for tensor in contents.tensors}
     for name, shape in expected.items():
         tensor = found.get(name)
         if tensor is None:
             raise ModelFormatError(f"{path}: missing tensor {name}")
-        actual = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
-        if actual != shape:
-            raise ModelFormatError(f"{path}: tensor {name} has shape {list(actual)}, expected {list(shape)}")
+        if tensor.shape != shape:
+            raise ModelFormatError(f"{path}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
         if tensor.tensor_type not in READABLE_TYPES:
             raise ModelFormatError(
                 f"{path}: tensor {name} has type {tensor.tensor_type.name}; readable: "
@@ -237,132 +246,110 @@ def validate_tensors(path: Path, reader: GGUFReader, expected: dict[str, tuple[i
         raise ModelFormatError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])} for this architecture")
 
 
-def read_text_config(keys: KeyReader, reader: GGUFReader, arch: str = names.LLAMA_ARCH) -> TextModelConfig:
-    """The text hyperparameters and tokenizer from a ``model.gguf``'s keys (``{arch}.*``)."""
+def text_tokenizer(text: TextModelConfig) -> TextTokenizer:
+    """The tokenizer stored in the text file, with its special ids."""
+    from conduit_rt.tokenizer import TextTokenizer
 
-    def key(template: str) -> str:
-        return names.llm_key(template, arch)
-
-    tokens = keys.str_list(Keys.Tokenizer.LIST)
-    num_heads = keys.int(key(Keys.Attention.HEAD_COUNT))
-    hidden = keys.int(key(Keys.LLM.EMBEDDING_LENGTH))
-    rope_dims = keys.int(key(Keys.Rope.DIMENSION_COUNT), default=hidden // max(num_heads, 1))
-    head_dim = keys.int(key(Keys.Attention.KEY_LENGTH), default=rope_dims)
-    scaling = keys.str(key(Keys.Rope.SCALING_TYPE), default="none")
-    output = names.tensor_name(names.MODEL_TENSOR.OUTPUT)
-    return TextModelConfig(
-        architecture=arch,
-        vocab_size=keys.int(key(Keys.LLM.VOCAB_SIZE), default=len(tokens)),
-        hidden_size=hidden,
-        intermediate_size=keys.int(key(Keys.LLM.FEED_FORWARD_LENGTH)),
-        num_hidden_layers=keys.int(key(Keys.LLM.BLOCK_COUNT)),
-        num_attention_heads=num_heads,
-        num_key_value_heads=keys.int(key(Keys.Attention.HEAD_COUNT_KV), default=num_heads),
-        head_dim=head_dim,
-        rms_norm_eps=keys.float(key(Keys.Attention.LAYERNORM_RMS_EPS)),
-        rope_theta=keys.float(key(Keys.Rope.FREQ_BASE), default=10000.0),
-        rope_scaling_type=None if scaling == "none" else scaling,
-        rope_scaling_factor=keys.float(key(Keys.Rope.SCALING_FACTOR), default=1.0),
-        max_position_embeddings=keys.int(key(Keys.LLM.CONTEXT_LENGTH)),
-        tie_word_embeddings=output not in _names(reader),
-        bos_token_id=keys.int(Keys.Tokenizer.BOS_ID),
-        eos_token_id=keys.int(Keys.Tokenizer.EOS_ID),
-        pad_token_id=keys.int(Keys.Tokenizer.PAD_ID, default=None),
-        unk_token_id=keys.int(Keys.Tokenizer.UNK_ID, default=None),
-        image_token_id=keys.int(names.ConduitKeys.IMAGE_TOKEN_ID, default=None),
-        add_bos_token=keys.bool(Keys.Tokenizer.ADD_BOS, default=True),
-        add_eos_token=keys.bool(Keys.Tokenizer.ADD_EOS, default=False),
-        tokens=tuple(tokens),
-        chat_template=keys.str(Keys.Tokenizer.CHAT_TEMPLATE, default=None),
-        tokenizer_json=keys.str(Keys.Tokenizer.HF_JSON),
-        source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
-        source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
-        rope_sections=_rope_sections(keys, key(Keys.Rope.DIMENSION_SECTIONS)) if arch == names.QWEN2VL_ARCH else (),
+    return TextTokenizer.from_json_and_ids(
+        text.tokenizer_json,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        unk_token_id=text.unk_token_id,
+        pad_token_id=text.pad_token_id,
+        add_bos_token=text.add_bos_token,
+        add_eos_token=text.add_eos_token,
     )
 
 
-def _rope_sections(keys: KeyReader, key: str) -> tuple[int, ...]:
-    """M-RoPE (t, h, w) from ``{arch}.rope.dimension_sections`` (llama.cpp pads it with zeros to 4)."""
-    sections = keys.int_list(key)
-    if len(sections) < 3 or any(sections[3:]):
-        raise ValueError(f"key {key} = {sections}: expected (t, h, w) sections followed by zeros")
-    return tuple(sections[:3])
+def check_activations(path: Path, config: VisionModelConfig | QwenVisionConfig) -> None:
+    """The tower's (and the LLaVA projector's) activation functions are ones conduit-rt has."""
+    from conduit_rt.models.clip import ACTIVATIONS
+
+    named = [(names.ConduitKeys.VISION_HIDDEN_ACT, config.hidden_act)]
+    if isinstance(config, VisionModelConfig):
+        named.append((names.ConduitKeys.PROJECTOR_HIDDEN_ACT, config.projector_hidden_act))
+    for key, name in named:
+        if name not in ACTIVATIONS:
+            raise ModelFormatError(f"{path}: key {key}: activation {name!r} is not one of {', '.join(ACTIVATIONS)}")
 
 
-def read_vision_config(keys: KeyReader) -> VisionModelConfig:
-    """The vision/projector hyperparameters and preprocessing from an ``mmproj.gguf``'s keys."""
-    vision = Keys.ClipVision
-    use_gelu = keys.bool(vision.USE_GELU, default=False)
-    preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
-    # the float32 arrays are what llama.cpp reads; the JSON keeps the exact values
-    image_mean = preprocessor.get("image_mean", keys.float_list(vision.IMAGE_MEAN))
-    image_std = preprocessor.get("image_std", keys.float_list(vision.IMAGE_STD))
-    return VisionModelConfig(
-        projector_type=keys.str(Keys.Clip.PROJECTOR_TYPE),
-        image_size=keys.int(vision.IMAGE_SIZE),
-        patch_size=keys.int(vision.PATCH_SIZE),
-        num_channels=3,
-        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
-        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
-        num_hidden_layers=keys.int(vision.BLOCK_COUNT),
-        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
-        layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS),
-        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default="gelu" if use_gelu else "quick_gelu"),
-        projector_hidden_act=keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
-        projection_dim=keys.int(vision.PROJECTION_DIM),
-        feature_layer=keys.int(names.ConduitKeys.FEATURE_LAYER, default=-2),
-        feature_select_strategy=keys.str(names.ConduitKeys.FEATURE_SELECT, default="default"),
-        image_mean=tuple(float(value) for value in image_mean),
-        image_std=tuple(float(value) for value in image_std),
-        preprocessor_config=preprocessor,
-        processor_config=keys.json(names.ConduitKeys.PROCESSOR_CONFIG, default={}),
-        source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
-        source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
+@functools.lru_cache(maxsize=8)
+def compiled_chat_template(source: str) -> ChatTemplate:
+    """The compiled chat template of ``source`` (compiling costs tens of ms; a loaded template is
+    immutable, so every model with the same template shares one)."""
+    from conduit_rt.chat import ChatTemplate
+
+    return ChatTemplate(source)
+
+
+def check_text_assets(path: Path, config: TextModelConfig) -> None:
+    """The embedded tokenizer builds with the file's special ids and the chat template compiles;
+    a failure names the file and the key."""
+    checks = (
+        (Keys.Tokenizer.HF_JSON, lambda: text_tokenizer(config)),
+        (Keys.Tokenizer.CHAT_TEMPLATE, lambda: config.chat_template is None or compiled_chat_template(config.chat_template)),
     )
+    for key, build in checks:
+        try:
+            build()
+        except (ModelFormatError, RecursionError, SyntaxError, MemoryError) as error:
+            # jinja compiles a template to Python: nesting too deep for the compiler surfaces as these
+            raise ModelFormatError(f"{path}: key {key}: {error}") from None
 
 
-def read_qwen_vision_config(keys: KeyReader) -> QwenVisionConfig:
-    """The Qwen2-VL / Qwen2.5-VL tower, merger and preprocessing from an ``mmproj.gguf``'s keys."""
-    vision = Keys.ClipVision
-    projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
-    preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
-    is_qwen25 = projector == names.PROJECTOR_QWEN25VL
-    return QwenVisionConfig(
-        projector_type=projector,
-        patch_size=keys.int(vision.PATCH_SIZE),
-        temporal_patch_size=2,
-        spatial_merge_size=keys.int(vision.SPATIAL_MERGE_SIZE, default=2),
-        num_channels=3,
-        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
-        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
-        num_hidden_layers=keys.int(vision.BLOCK_COUNT),
-        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
-        layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
-        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default="silu" if is_qwen25 else "quick_gelu"),
-        projection_dim=keys.int(vision.PROJECTION_DIM),
-        window_size=keys.int(vision.WINDOW_SIZE, default=112 if is_qwen25 else 0),
-        fullatt_block_indexes=_full_attention_blocks(keys) if is_qwen25 else (),
-        rope_theta=keys.float(names.ConduitKeys.VISION_ROPE_THETA, default=10000.0),
-        image_mean=tuple(float(v) for v in preprocessor.get("image_mean", keys.float_list(vision.IMAGE_MEAN))),
-        image_std=tuple(float(v) for v in preprocessor.get("image_std", keys.float_list(vision.IMAGE_STD))),
-        preprocessor_config=preprocessor,
-        processor_config=keys.json(names.ConduitKeys.PROCESSOR_CONFIG, default={}),
-        source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
-        source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
-    )
+def check_preprocessing(path: Path, config: VisionModelConfig | QwenVisionConfig) -> None:
+    """The image preprocessing stored in the mmproj (``conduit.preprocessor_config``) builds and
+    feeds the tower what it takes; a file cannot make each request resize to an arbitrary size."""
+    from conduit_rt.preprocess import ClipPreprocessParams, QwenVLPreprocessParams
+
+    if not config.preprocessor_config:
+        return  # the loader builds the preprocessing from the checked clip.vision.* keys
+    key = f"key {names.ConduitKeys.PREPROCESSOR_CONFIG}"
+    is_clip = isinstance(config, VisionModelConfig)
+    try:
+        params = (ClipPreprocessParams if is_clip else QwenVLPreprocessParams).from_hf_config(config.preprocessor_config)
+    except (ModelFormatError, TypeError, ValueError, KeyError, AttributeError, OverflowError) as error:
+        raise ModelFormatError(f"{path}: {key}: {error}") from None
+    problem = _pixel_problem(params) or (_clip_size_problem(params, config) if is_clip else _qwen_size_problem(params, config))
+    if problem:
+        raise ModelFormatError(f"{path}: {key}: {problem}")
 
 
-def _full_attention_blocks(keys: KeyReader) -> tuple[int, ...]:
-    """``conduit.vision.fullatt_block_indexes``, else llama.cpp's ``clip.vision.n_wa_pattern`` n: blocks
-    n-1, 2n-1, ... attend to the whole image, the others within windows."""
-    listed = keys.int_list(names.ConduitKeys.FULLATT_BLOCKS, default=None)
-    if listed is not None:
-        return tuple(listed)
-    pattern = keys.int(Keys.ClipVision.N_WA_PATTERN)
-    blocks = keys.int(Keys.ClipVision.BLOCK_COUNT)
-    if pattern < 1:
-        raise ValueError(f"key {Keys.ClipVision.N_WA_PATTERN} must be positive, got {pattern}")
-    return tuple(range(pattern - 1, blocks, pattern))
+def _pixel_problem(params) -> str | None:
+    """Normalization and resampling a request can run: 3 means in [0, 1] (LLaVA pads with the mean
+    colour), 3 non-zero stds, finite values, a PIL resampling filter."""
+    values = (*params.image_mean, *params.image_std, params.rescale_factor)
+    if len(params.image_mean) != 3 or len(params.image_std) != 3 or not all(map(math.isfinite, values)):
+        return "image_mean, image_std and rescale_factor must be 3, 3 and 1 finite numbers"
+    if not all(0 <= mean <= 1 for mean in params.image_mean) or 0 in params.image_std:
+        return f"image_mean {params.image_mean} must lie in [0, 1] and image_std {params.image_std} be non-zero"
+    if params.resample not in RESAMPLING_FILTERS:
+        return f"resample {params.resample} is not a PIL resampling filter {sorted(RESAMPLING_FILTERS)}"
+    return None
+
+
+def _clip_size_problem(params, config: VisionModelConfig) -> str | None:
+    side = config.image_size
+    if params.do_center_crop:
+        output = (params.crop_height, params.crop_width)
+    else:
+        output = tuple(params.resize_to[1:]) if params.do_resize and params.resize_to[0] == "exact" else None
+    if output != (side, side):
+        return f"the preprocessing makes {output or 'variable'}-pixel images; the vision tower takes {side}x{side}"
+    if params.do_resize and max(params.resize_to[1:]) > MAX_RESIZE_FACTOR * side:
+        return f"resize target {params.resize_to[1:]} is more than {MAX_RESIZE_FACTOR}x the tower's {side}-pixel input"
+    return None
+
+
+def _qwen_size_problem(params, config: QwenVisionConfig) -> str | None:
+    tower = (config.patch_size, config.spatial_merge_size, config.temporal_patch_size)
+    if (params.patch_size, params.merge_size, params.temporal_patch_size) != tower:
+        return (f"patch, merge and temporal patch sizes {params.patch_size, params.merge_size, params.temporal_patch_size} "
+                f"differ from the vision tower's {tower}")
+    largest = QWEN_MAX_PIXELS * config.patch_size**2 // 14**2
+    if params.min_pixels > largest:
+        return f"min_pixels {params.min_pixels} would upscale every image past {largest} pixels"
+    return None
 
 
 def _build_config(path: Path, build):
@@ -373,8 +360,3 @@ def _build_config(path: Path, build):
         raise
     except (ValueError, json.JSONDecodeError) as exc:
         raise ModelFormatError(f"{path}: {exc}") from exc
-
-
-def _names(reader: GGUFReader) -> set[str]:
-    return {tensor.name for tensor in reader.tensors}
-

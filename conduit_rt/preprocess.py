@@ -174,6 +174,14 @@ def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.
     pil = load_image(image, name)
     if pil.width == 0 or pil.height == 0:
         raise InvalidImageError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
+    try:
+        return np.asarray(_to_rgb(pil), dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError, EOFError) as error:  # a malformed file can fail as it converts
+        raise InvalidImageError(f"cannot decode image {name or '<PIL.Image>'}: {error}") from error
+
+
+def _to_rgb(pil: Image.Image) -> Image.Image:
+    """``pil`` in mode RGB (see ``to_rgb_array``)."""
     if pil.mode.startswith("I;16"):
         pil = _high_bytes(pil)
     if "A" in pil.getbands() or pil.info.get("transparency") is not None:
@@ -182,7 +190,7 @@ def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.
         pil = Image.alpha_composite(white, rgba)
     if pil.mode != "RGB":  # convert copies even within a mode: only when it changes something
         pil = pil.convert("RGB")
-    return np.asarray(pil, dtype=np.uint8)
+    return pil
 
 
 def _high_bytes(image: Image.Image) -> Image.Image:

@@ -13,10 +13,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "conduit_rt"
 
 # (layer, name, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS = [
-    (0, "foundation", ["errors", "extras", "config", "gguf_names", "gguf_keys", "locking", "results", "validation"]),
+    (0, "foundation", ["errors", "extras", "config", "gguf_names", "gguf_keys", "gguf_parser", "locking", "results",
+                       "validation"]),
     (1, "native binding", ["native"]),
     (2, "arena", ["arena", "topk"]),
-    (3, "model and policies", ["model_config", "model_file", "preprocess", "tokenizer", "chat", "sampling",
+    (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "tokenizer", "chat", "sampling",
                                "models", "selection", "refresh", "compress", "image_cache", "prefix_cache",
                                "decode_graph", "prefill_graph", "convert"]),
     (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,14 +19,17 @@ from torch import nn
 from conduit_rt.arena import KVArena
 from conduit_rt.errors import ModelFormatError
 from conduit_rt.model_config import TextModelConfig
-from conduit_rt.model_file import GGUFModelFile, load_mmproj_file, load_text_model_file
+from conduit_rt.model_file import (
+    GGUFModelFile,
+    compiled_chat_template,
+    load_mmproj_file,
+    load_text_model_file,
+    text_tokenizer,
+)
 
 from . import llama
 from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig
 from .rope import RopeConfig
-
-if TYPE_CHECKING:
-    from conduit_rt.tokenizer import TextTokenizer
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -144,21 +147,6 @@ def decoder_config(
     )
 
 
-def text_tokenizer(text: TextModelConfig) -> TextTokenizer:
-    """The tokenizer stored in the text file, with its special ids."""
-    from conduit_rt.tokenizer import TextTokenizer
-
-    return TextTokenizer.from_json_and_ids(
-        text.tokenizer_json,
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
-        unk_token_id=text.unk_token_id,
-        pad_token_id=text.pad_token_id,
-        add_bos_token=text.add_bos_token,
-        add_eos_token=text.add_eos_token,
-    )
-
-
 def build_assets(
     text: TextModelConfig, vision: Any | None, mmproj_path: Path | None, preprocess: Any | None, tokens_per_image: int
 ) -> ModelAssets:
@@ -166,8 +154,6 @@ def build_assets(
 
     vision: the mmproj's config (any with ``source_id``), None without a vision file.
     """
-    from conduit_rt.chat import ChatTemplate
-
     vision_id = ""
     if vision is not None:
         # Without a source fingerprint, the file itself identifies the vision weights.
@@ -177,7 +163,7 @@ def build_assets(
         )
     return ModelAssets(
         tokenizer=text_tokenizer(text),
-        chat_template=ChatTemplate(text.chat_template) if text.chat_template else None,
+        chat_template=compiled_chat_template(text.chat_template) if text.chat_template else None,
         image_token_id=text.image_token_id,
         tokens_per_image=tokens_per_image,
         preprocess=preprocess,
