@@ -165,7 +165,8 @@ def _plain(value: Any, depth: int = 0) -> Any:
         if isinstance(value, json_type):
             return json_type(value) if json_type is not str else str.__str__(value)
     if isinstance(value, (Mapping, list, tuple)) and depth >= MAX_NESTING:
-        raise RequestError(f"the messages nest dicts and lists more than {MAX_NESTING} levels deep")
+        raise RequestError(f"the messages nest dicts and lists more than {MAX_NESTING} levels deep, or contain "
+                           "themselves (a cycle)")
     if isinstance(value, Mapping):
         return {str(key): _plain(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -218,10 +219,7 @@ def validate_messages(messages: Any) -> tuple[list[dict], list[ImagePayload]]:
             _check_part(part, f"{where}['content'][{part_index}]")
             if part["type"] == "image":
                 images.append(part["image"])
-    try:
-        return [_plain(message) for message in messages], images
-    except RecursionError:
-        raise RequestError("messages nest too deeply or contain themselves (a cycle)") from None
+    return [_plain(message) for message in messages], images
 
 
 def _check_unicode(text: str) -> None:

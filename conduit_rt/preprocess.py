@@ -57,6 +57,9 @@ FIRST_FRAME_FORMATS = ("MPO",)
 _EXIF_ORIENTATION = 0x0112
 # what PIL raises for malformed EXIF data (then the image is used as stored, as viewers do)
 _EXIF_ERRORS = (SyntaxError, ValueError, TypeError, KeyError, IndexError, OSError, struct.error)
+# what PIL's format plugins raise for malformed files, as they open, count frames, decode or convert
+# (a truncated GIF's frame count: IndexError; "not a TIFF file": SyntaxError)
+_DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, TypeError, KeyError, IndexError, struct.error)
 
 
 def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
@@ -96,8 +99,8 @@ def load_image(image: ImageInput, name: str | None = None) -> Image.Image:
     except UnidentifiedImageError as error:
         raise InvalidImageError(f"cannot decode image {name}: not an image format PIL reads "
                                 "(PNG, JPEG, GIF, WebP, BMP, TIFF, ...)") from error
-    except (OSError, ValueError, SyntaxError, EOFError) as error:
-        raise InvalidImageError(f"cannot decode image {name}: {error}") from error
+    except _DECODE_ERRORS as error:
+        raise InvalidImageError(f"cannot decode image {name}: {type(error).__name__}: {error}") from error
 
 
 def check_decodable(image: Image.Image, name: str) -> None:
@@ -176,7 +179,7 @@ def to_rgb_array(image: ImageInput | np.ndarray, name: str | None = None) -> np.
         raise InvalidImageError(f"an image must have at least one pixel, got {pil.width} x {pil.height}")
     try:
         return np.asarray(_to_rgb(pil), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError, EOFError) as error:  # a malformed file can fail as it converts
+    except _DECODE_ERRORS as error:  # a malformed file can fail as it converts
         raise InvalidImageError(f"cannot decode image {name or '<PIL.Image>'}: {error}") from error
 
 

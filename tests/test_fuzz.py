@@ -19,13 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from conduit_rt import preprocess
 import torch
 from gguf import GGMLQuantizationType
 from PIL import Image
 
-from conduit_rt import BUNDLED_MODEL
+from conduit_rt import BUNDLED_MODEL, preprocess
 from conduit_rt.chat import ChatTemplate, build_prompt
 from conduit_rt.gguf_names import is_rope_permuted
 from conduit_rt.errors import ImageTooLargeError, ModelFormatError, RequestError
