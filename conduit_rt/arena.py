@@ -16,6 +16,10 @@ entry keeps its arena alive and is unusable once the arena is closed; its finali
 while the arena is open, and only under the arena's ``lock`` (taken without waiting: when another
 thread holds it, the handle is left for ``free_deferred``), since the garbage collector runs
 finalizers on whichever thread it interrupts.
+
+The file is longer than most (~700 lines) because the four handle types share that lifetime rule
+(``_Child``), the argument conversion to the C ABI and the status checks; each class is one screen
+or two of thin wrappers over ``conduit.h``.
 """
 from __future__ import annotations
 
