@@ -254,14 +254,18 @@ class Recompressor:
 
 
 def compress_prompt(policy: CompressionPolicy, keep: float, options: CompressOptions, seq, config, queries,
-                    post_vision: list[int], stats: GenerationStats) -> Recompressor | None:
+                    post_vision: list[int], stats: GenerationStats, trace: bool = False) -> Recompressor | None:
     """Keeps ``keep`` of the prefilled prompt's KV per layer as ``policy`` chooses (compaction gives
-    the rest back to the arena) and records the sizes in ``stats``. ``queries(layer, positions)``
-    gives the q the prefill computed (see ``PromptStats``). Returns the decode steps' re-compressor
-    when ``options.recompress_every`` asks for one."""
+    the rest back to the arena) and records the sizes in ``stats`` (with ``trace``, also the prompt
+    positions each layer kept: ``stats.kept_positions``; a re-compressor's later choices are not in
+    it). ``queries(layer, positions)`` gives the q the prefill computed (see ``PromptStats``). Returns
+    the decode steps' re-compressor when ``options.recompress_every`` asks for one."""
     prompt = PromptStats(seq, config.n_layers, config.n_heads, config.attention_scale, queries, post_vision, options)
     stats.kv_bytes_before_compress = seq.nbytes
     kept = policy.keep(prompt, keep)
+    if trace:  # slot -> position before compaction (every layer holds the prompt in the same slots)
+        positions = seq.positions(0).long()
+        stats.kept_positions = [sorted(positions[slots].tolist()) for slots in kept]
     for layer, slots in enumerate(kept):
         seq.compact(layer, slots)
     stats.kv_bytes_after_compress = seq.nbytes

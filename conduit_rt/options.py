@@ -31,6 +31,8 @@ class GenerationOptions:
     ("vlcache", "none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv") keeps ``keep`` (in
     (0, 1]) of the prompt's KV per layer for decoding, with ``compress_options`` (``CompressOptions``
     or a dict).
+    Diagnostics: ``trace_selection`` fills the selection trace of ``GenerationStats`` (the prompt
+    positions each layer refreshed and kept); off, the request path records nothing of it.
     """
 
     max_tokens: int = 256
@@ -45,6 +47,7 @@ class GenerationOptions:
     compress: str | None = None
     keep: float = 0.1
     compress_options: CompressOptions | dict | None = None
+    trace_selection: bool = False
 
     def __post_init__(self) -> None:
         """Checks and normalises every field (a bad ``refresh_budget`` is an error even for a request
@@ -63,6 +66,7 @@ class GenerationOptions:
             # keep 0 would leave the layers no KV to attend to
             "keep": validation.real(self.keep, "keep", 0.0, 1.0, low_open=True),
             "compress_options": _options(CompressOptions, self.compress_options, "compress_options"),
+            "trace_selection": validation.flag(self.trace_selection, "trace_selection"),
         }
         validation.set_fields(self, fields)
         self.sampling()

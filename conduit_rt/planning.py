@@ -92,7 +92,7 @@ class Planner:
         seq, reused = self._exact_prefix(request.identity, held)
         n = request.n_tokens
         stats = GenerationStats(prompt_tokens=n, reused_tokens=reused, prefill_tokens=n - reused,
-                                images=len(request.images))
+                                images=len(request.images), image_spans=request.image_spans)
         plan = Plan(seq, reused, [], {}, stats)
         try:
             self._images(request, plan, refresh is not None, options.fill == "isolated")

@@ -45,6 +45,14 @@ class Request:
         return sum(slot.n_tokens for slot in self.prompt.image_slots)
 
     @property
+    def image_spans(self) -> list[tuple[int, int]]:
+        """Per image (message order), the prompt positions [start, stop) of its visual tokens."""
+        spans = [(0, 0)] * len(self.images)
+        for slot in self.prompt.image_slots:
+            spans[slot.image_index] = (slot.start, slot.start + slot.n_tokens)
+        return spans
+
+    @property
     def next_rope(self) -> int:
         """RoPE position of the first generated token."""
         return int(self.rope.max()) + 1 if self.rope.numel() else 0

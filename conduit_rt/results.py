@@ -34,6 +34,15 @@ class GenerationStats:
     kv_bytes_after_compress: int = 0    # ... and right after it (0: no compression)
     kept_tokens_per_layer: list[int] | None = None  # prompt tokens each layer kept
     finish_reason: str = ""             # "eos", "stop" or "length"
+    # Where each image sits: per image (message order) the prompt positions [start, stop) of its
+    # visual tokens, in the image's own token order (token j of image i is at start + j).
+    image_spans: list[tuple[int, int]] | None = None
+    # The selection trace (GenerationOptions.trace_selection; None without it), as prompt positions:
+    restored_positions: list[int] | None = None         # the restored visual tokens (refresh's candidates), sorted
+    refreshed_positions: list[list[int]] | None = None  # per decoder layer, the restored tokens recomputed
+                                                        # there, sorted (None: no refresh policy)
+    kept_positions: list[list[int]] | None = None       # per decoder layer, the prompt tokens compression kept
+                                                        # for decoding, sorted (None: no compression)
 
 
 @dataclass(slots=True)

@@ -49,10 +49,13 @@ class ReuseStats:
     recomputed_token_layers: int = 0   # token-layers of the recompute pass
     prefill_flops: float = 0.0
     full_prefill_flops: float = 0.0
+    restored_positions: list[int] | None = None          # the selection trace (``ReusePass.run``'s ``trace``)
+    refreshed_positions: list[list[int]] | None = None
 
     def report(self, stats: GenerationStats) -> None:
         """Writes what the request's statistics show of it."""
         stats.visual_tokens, stats.refreshed_tokens = self.visual_tokens, self.refreshed_tokens
+        stats.restored_positions, stats.refreshed_positions = self.restored_positions, self.refreshed_positions
         stats.recomputed_token_layers = self.recomputed_token_layers
         stats.prefill_flops_ratio = self.prefill_flops / self.full_prefill_flops if self.full_prefill_flops else 0.0
 
@@ -84,8 +87,10 @@ class ReusePass:
     # runs a pass (model.forward's contract); PrefillGraphs.forward replays small passes' dense work
     forward: Callable | None = None
 
-    def run(self, policy: RefreshPolicy | None, ratio: float, options: RefreshOptions) -> tuple[torch.Tensor, PassCapture]:
-        """Returns the last prompt token's logits [vocab] and the passes' capture."""
+    def run(self, policy: RefreshPolicy | None, ratio: float, options: RefreshOptions,
+            trace: bool = False) -> tuple[torch.Tensor, PassCapture]:
+        """Returns the last prompt token's logits [vocab] and the passes' capture. ``trace``: ``stats``
+        keeps the restored visual tokens' positions and, with a policy, those it recomputed per layer."""
         config = self.model.config
         self.seq.append(torch.arange(self.reused, self.n_prompt, dtype=torch.int32))
         visual = self._restore()
@@ -96,12 +101,18 @@ class ReusePass:
         self.stats.full_prefill_flops = config.n_layers * _flops(config, list(range(self.n_prompt)))
         tokens = self._visual_tokens()
         self.stats.visual_tokens = tokens.n
+        if trace:
+            self.stats.restored_positions = tokens.slots.tolist()
         if tokens.n == 0 or policy is None:
+            if trace and policy is not None:
+                self.stats.refreshed_positions = [[] for _ in range(config.n_layers)]
             return self.model.logits(hidden[-1:])[0], capture
         context = _Context(self, capture, tokens, budget_tokens(ratio, tokens.n), options, hidden, text_positions)
         refreshed = policy.refresh(context)
         context.charge_scores()
         self.stats.refreshed_tokens = refreshed.refreshed_tokens
+        if trace:
+            self.stats.refreshed_positions = context.refreshed_positions()
         return refreshed.logits, capture
 
     def _pass(self, seq, embeds: torch.Tensor, batch: ForwardBatch, capture) -> torch.Tensor:
@@ -163,6 +174,10 @@ class _Context:
         self._text = np.asarray(text_positions, dtype=np.int64)
         self._candidates: tuple[np.ndarray, torch.Tensor] | None = None
         self._scores_charged = False
+        # the rows recomputed, kept by reference (no copy): of a one-pass recompute (every layer), and
+        # of a layer-wise one (per layer); read by ``refreshed_positions`` only
+        self._recomputed: np.ndarray | None = None
+        self._layer_rows: dict[int, list[int]] = {}
 
     def start_scoring(self) -> None:
         if self.budget > 0:  # the host prepares the recompute's inputs while the scoring runs
@@ -191,6 +206,7 @@ class _Context:
         # The device idles from the selection's host sync to the recompute's first launch: only what
         # the launch needs runs in between (numpy, not Python sets), the bookkeeping after it.
         rows = self.recompute_rows(self.tokens.slots[selected].numpy())
+        self._recomputed = rows
         if self._candidates is not None:
             positions, embeds = self._candidates
             embeds = embeds[torch.from_numpy(np.searchsorted(positions, rows)).to(embeds.device, non_blocking=True)]
@@ -207,7 +223,15 @@ class _Context:
     def embed(self, positions: list[int]) -> torch.Tensor:
         return self.run.embed(positions)
 
+    def refreshed_positions(self) -> list[list[int]]:
+        """Per decoder layer, the positions of the restored visual tokens recomputed there (sorted)."""
+        slots = self.tokens.slots.numpy()
+        every_layer = np.intersect1d(self._recomputed, slots) if self._recomputed is not None else slots[:0]
+        return [np.union1d(every_layer, np.intersect1d(self._layer_rows.get(layer, []), slots)).tolist()
+                for layer in range(self.config.n_layers)]
+
     def forward_layer(self, layer: int, rows: list[int], x: torch.Tensor, observer: LayerObserver) -> torch.Tensor:
+        self._layer_rows[layer] = rows
         self.capture.store = {}
         self.capture.begin_chunk(rows)
         x = self.run.model.forward_layer(layer, self.seq, x, self.run._batch(rows), _Tee(self.capture, observer))

@@ -277,7 +277,8 @@ class Runtime:
                 request.n_tokens, request.post_vision_positions(), options.compress_options)
             queries = request.query_positions(options.refresh_options.query_tokens)
             reuse = self.planner.reuse_pass(request, plan, queries, observe)
-            logits, capture = reuse.run(refresh, options.refresh_budget, options.refresh_options)
+            logits, capture = reuse.run(refresh, options.refresh_budget, options.refresh_options,
+                                        options.trace_selection)
             self.planner.store_computed(plan, capture)
         reuse.stats.report(plan.stats)
         return _Prefilled(plan.seq, logits, plan.stats, capture)
@@ -288,7 +289,8 @@ class Runtime:
         if compression is None:
             return None
         return compress_prompt(compression, options.keep, options.compress_options, prefilled.seq, self.model.config,
-                               prefilled.capture.queries, request.post_vision_positions(), prefilled.stats)
+                               prefilled.capture.queries, request.post_vision_positions(), prefilled.stats,
+                               options.trace_selection)
 
 
 # Runtimes not closed yet. At interpreter exit they are closed while every module is still whole;

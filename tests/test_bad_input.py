@@ -277,6 +277,7 @@ CASES = [
     Case("stop-empty-string", ask("hi", stop=[""]), RequestError, "stop"),
     Case("stop-a-number", ask("hi", stop=5), RequestError, "stop"),
     Case("return-logits-string", ask("hi", return_logits="yes"), RequestError, "return_logits"),
+    Case("trace-selection-number", ask("hi", trace_selection=1), RequestError, "trace_selection"),
     Case("refresh-unknown", ask("hi", refresh="sideways"), RequestError, "refresh policy"),
     Case("refresh-not-a-string", ask("hi", refresh=["conduit"]), RequestError, "refresh must be"),
     Case("refresh-budget-above-one-exact-prefix", send(NORMAL, refresh="conduit", refresh_budget=1.5), RequestError,
