@@ -22,7 +22,7 @@ LAYERS = [
                                "decode_graph", "prefill_graph", "convert"]),
     (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",
                     "prefill", "limits"]),
-    (5, "applications", ["cli", "demo", "evaluation", "bench", "convert.cli", "convert.__main__"]),
+    (5, "applications", ["cli", "demo", "evaluation", "evaluation.recall", "bench", "convert.cli", "convert.__main__"]),
 ]
 
 

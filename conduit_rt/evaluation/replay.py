@@ -9,7 +9,8 @@ A session (``Replay.session``):
      cold full prefill (``refresh=None``: the store is not read, every token is computed; the
      prefix cache is off, so nothing else is reused either). Restoring reads the store and never
      writes it, and compression acts on the request's own sequence, so every setting sees the store
-     exactly as the warm-up left it;
+     exactly as the warm-up left it. Every answer is traced (``trace_selection``): the recall of the
+     cells it needs (``recall``) is measured in what each setting refreshed and kept;
   4. forget the pages again.
 
 The final hidden state is read by wrapping ``runtime.model.logits`` for the duration of a call
@@ -28,6 +29,7 @@ import torch
 
 from ..preprocess import image_key, to_rgb_array
 from .metrics import Outcome, SettingScores, fidelity, is_correct
+from .recall import selection_measures
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +143,7 @@ class Replay:
     def _answer(self, messages: list[dict], setting: Setting) -> Outcome:
         with recording_final_hidden(self.runtime) as hidden:
             result = self.runtime.generate(messages, max_tokens=self.max_tokens, return_logits=True,
-                                           **setting.generate_options())
+                                           trace_selection=True, **setting.generate_options())
         steps = result.logits.shape[0]  # the prefill's logits call, then one per decode step
         return Outcome(result.text, list(result.tokens), result.logits, torch.stack(hidden[-steps:]), result.stats)
 
@@ -177,19 +179,22 @@ def stat_measures(outcome: Outcome) -> dict[str, float]:
 
 @dataclass(slots=True)
 class ReplayRequest:
-    """What the replay needs of a test request: its messages, the ground truth, its page count and
-    the messages of the earlier requests in which its pages were seen."""
+    """What the replay needs of a test request: its messages, the ground truth, its page count, the
+    messages of the earlier requests in which its pages were seen, and the image cells the answer
+    reads ((image index, cell index) pairs: ``recall``; none: no recall measures)."""
 
     messages: list[dict]
     answer: str
     num_pages: int
     seen: list[list[dict]]
+    needed_cells: tuple[tuple[int, int], ...] = ()
 
 
 def run_requests(replay: Replay, requests: Sequence[ReplayRequest], time_limit_s: float | None = None,
                  log_every: int = 10) -> tuple[dict[str, SettingScores], float]:
-    """Replays the requests in order and scores every setting against the reference. Stops starting new sessions once ``time_limit_s`` has passed. Returns the scores by
-    setting key and the seconds taken."""
+    """Replays the requests in order and scores every setting against the reference (fidelity, cost
+    and the recall of the needed cells: ``recall.selection_measures``). Stops starting new sessions
+    once ``time_limit_s`` has passed. Returns the scores by setting key and the seconds taken."""
     scores = {setting.key: SettingScores() for setting in replay.settings}
     start = time.perf_counter()
     for index, request in enumerate(requests):
@@ -200,7 +205,8 @@ def run_requests(replay: Replay, requests: Sequence[ReplayRequest], time_limit_s
         reference = outcomes[REFERENCE_KEY]
         for key, outcome in outcomes.items():
             scores[key].add(is_correct(outcome.text, request.answer), request.num_pages,
-                            {**fidelity(reference, outcome), **stat_measures(outcome)})
+                            {**fidelity(reference, outcome), **stat_measures(outcome),
+                             **selection_measures(request.needed_cells, outcome.stats)})
         if (index + 1) % log_every == 0:
             logger.info("%d requests replayed in %.0f s; full prefill accuracy %.3f", index + 1,
                         time.perf_counter() - start, scores[REFERENCE_KEY].accuracy)

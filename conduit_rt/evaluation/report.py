@@ -1,9 +1,10 @@
 """The quality report: markdown tables, the plot and the docs page, all from the results dict.
 
-``write_report(results, out)`` writes ``out/table.md`` (tables and headline), ``out/plot.png`` and
-``out/quality.md`` (the docs page: how the numbers were made, then the tables and the plot, whose
-file it names ``quality.png``). ``python -m conduit_rt.evaluation.report results.json --docs docs``
-regenerates ``docs/quality.md`` and ``docs/quality.png`` from a finished run's JSON.
+``write_report(results, out)`` writes ``out/table.md`` (tables and headline), ``out/plot.png``,
+``out/plot-recall.png`` (when the run measured recall: ``recall.plot_recall``) and ``out/quality.md``
+(the docs page: how the numbers were made, then the tables and the plots, whose files it names
+``quality.png`` and ``quality-recall.png``). ``python -m conduit_rt.evaluation.report results.json
+--docs docs`` regenerates ``docs/quality.md`` and its plots from a finished run's JSON.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..extras import pyplot
+from . import recall
 
 PLOTTING = {"extra": "eval", "command": "conduit eval", "purpose": "for its plot"}  # what a missing matplotlib says
 REFRESH_ORDER = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
@@ -136,9 +138,17 @@ def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
         "### Every setting",
         detail_table(results),
         f"![accuracy by budget]({plot_name})",
-        "### Headline", "\n".join(f"- {note}" for note in headline(results)),
     ]
+    if recall.has_recall(results):
+        parts += ["### Recall of the tokens the answer needs", recall.recall_table(results),
+                  f"![recall of the needed tokens]({recall_plot_name(plot_name)})"]
+    parts += ["### Headline", "\n".join(f"- {note}" for note in headline(results))]
     return "\n\n".join(parts) + "\n"
+
+
+def recall_plot_name(plot_name: str) -> str:
+    """The recall plot's file beside the accuracy plot: plot.png -> plot-recall.png."""
+    return plot_name.replace(".png", "-recall.png")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -221,6 +231,8 @@ def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(tables_markdown(results, "plot.png"))
     plot(results, out / "plot.png")
+    if recall.has_recall(results):
+        recall.plot_recall(results, out / recall_plot_name("plot.png"))
     (out / "quality.md").write_text(docs_page(results, "quality.png"))
 
 
@@ -232,6 +244,8 @@ def write_docs(results: dict, plot_path: Path | None, docs: Path, note: str | No
         shutil.copyfile(plot_path, docs / "quality.png")
     else:
         plot(results, docs / "quality.png")
+    if recall.has_recall(results):
+        recall.plot_recall(results, docs / recall_plot_name("quality.png"))
 
 
 def main(argv: list[str] | None = None) -> int:
