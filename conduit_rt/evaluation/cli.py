@@ -19,6 +19,7 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .. import BUNDLED_MODEL
+from .task.families import FAMILIES
 from ..cli import (DEVICE_HELP, fractions, names_from, non_negative_float, non_negative_int, positive_int,
                    reports_errors)
 from ..errors import ModelFormatError
@@ -30,6 +31,7 @@ from .shards import replay_all
 logger = logging.getLogger("conduit_rt.evaluation")
 
 DEFAULT_MODEL = BUNDLED_MODEL
+FAMILY_NAMES = tuple(FAMILIES)
 REFRESH_POLICIES = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
 COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
 GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill for the task to tell policies apart
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--eval-pages: the same seed and size give the same test requests as its metrics)")
     parser.add_argument("--min-pages", type=positive_int, default=1, help="fewest pages in a request (default: %(default)s)")
     parser.add_argument("--max-pages", type=positive_int, default=8, help="most pages in a request (default: %(default)s)")
+    parser.add_argument("--families", type=names_from(FAMILY_NAMES), default=["lookup"], metavar="F,F,...",
+                        help="task families, comma-separated, from " + ", ".join(FAMILY_NAMES) +
+                             " (request i is of family i mod their count; default: %(default)s)")
     parser.add_argument("--seen", choices=("sessions", "retagged", "isolated"), default="sessions",
                         help="where the pages were seen before (see conduit_rt/evaluation/sessions.py)")
     parser.add_argument("--refresh-policies", type=names_from(REFRESH_POLICIES), default=list(REFRESH_POLICIES),
