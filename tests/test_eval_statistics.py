@@ -14,7 +14,7 @@ from conduit_rt.evaluation.metrics import SettingScores
 from conduit_rt.evaluation.replay import REFERENCE_KEY, build_settings
 from conduit_rt.evaluation.report import tables_markdown
 from conduit_rt.evaluation.statistics import (
-    bootstrap,
+    bootstrap_means,
     paired_difference,
     ratio_interval,
     wilson_interval,
@@ -82,6 +82,22 @@ def correlated_pairs(rng: np.random.Generator, n: int, rate_a: float, rate_b: fl
     return u < rate_a, u < rate_b
 
 
+def test_bootstrap_means_have_the_moments_of_resampling_requests():
+    """Resampling n requests with replacement gives means with expectation the sample mean and
+    covariance cov(x, y) / n (population covariance): for floats (every request distinct) and for
+    correlated bools (four distinct pairs)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=300)
+    a, b = correlated_pairs(rng, 300, 0.7, 0.4)
+    for first, second in ((x, 2 * x + rng.normal(size=300)), (a, b)):
+        first, second = np.asarray(first, float), np.asarray(second, float)
+        means = bootstrap_means([first, second], resamples=4000, seed=2)
+        expected = np.cov(np.stack([first, second]), ddof=0) / 300
+        np.testing.assert_allclose(np.cov(means.T), expected, rtol=0.08)
+        spread = np.sqrt(np.diag(expected) / 4000)
+        assert np.all(np.abs(means.mean(axis=0) - [first.mean(), second.mean()]) < 4 * spread)
+
+
 def test_paired_difference_interval_matches_the_normal_approximation():
     """Built so the observed difference is exactly 0.2: a right on the first 70% of requests, b on the first 50%."""
     n = 2000
@@ -132,13 +148,9 @@ def test_bootstrap_is_deterministic_in_its_seed():
     a, b = correlated_pairs(rng, 300, 0.7, 0.4)
     assert paired_difference(a, b, seed=4) == paired_difference(a, b, seed=4)
     assert ratio_interval(a, b, seed=4) == ratio_interval(a, b, seed=4)
-
-    def means(x: np.ndarray) -> np.ndarray:
-        return x.mean(axis=-1)
-
-    draws = bootstrap(means, [a], resamples=50, seed=4)
-    assert draws.shape == (50,) and np.array_equal(draws, bootstrap(means, [a], resamples=50, seed=4))
-    assert not np.array_equal(draws, bootstrap(means, [a], resamples=50, seed=5))
+    means = bootstrap_means([a, b], resamples=50, seed=4)
+    assert means.shape == (50, 2) and np.array_equal(means, bootstrap_means([a, b], resamples=50, seed=4))
+    assert not np.array_equal(means, bootstrap_means([a, b], resamples=50, seed=5))
 
 
 def test_degenerate_and_single_request_samples():

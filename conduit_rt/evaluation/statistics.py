@@ -13,12 +13,12 @@ aligned with every other setting's by position. From those lists:
   pairing, so the request-to-request variation that both settings share cancels in the difference.
 
 The bootstrap is seeded (``numpy.random.default_rng(seed)``): the same outcomes, resample count and
-seed give the same interval. Resampled requests are drawn in chunks of at most ``CHUNK_DRAWS``
-indices so that memory stays bounded for any number of requests.
+seed give the same interval. Resamples are drawn in chunks of at most ``CHUNK_DRAWS`` counts so that
+memory stays bounded for any number of requests.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -27,10 +27,9 @@ import numpy as np
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 SEED = 0
-CHUNK_DRAWS = 1 << 22  # resampled indices held at once (32 MiB of int64)
+CHUNK_DRAWS = 1 << 22  # multinomial counts held at once (32 MiB of int64)
 
 Interval = tuple[float, float]
-Statistic = Callable[..., np.ndarray]  # resampled samples, each [chunk, n] -> [chunk] float64
 
 
 def z_score(confidence: float = CONFIDENCE) -> float:
@@ -67,13 +66,16 @@ def as_samples(*samples: Sequence[bool] | Sequence[float] | np.ndarray) -> list[
     return arrays
 
 
-def bootstrap(statistic: Statistic, samples: Sequence[np.ndarray], resamples: int = RESAMPLES,
-              seed: int = SEED) -> np.ndarray:
-    """``statistic`` on ``resamples`` bootstrap resamples of the requests: float64 [resamples].
+def bootstrap_means(samples: Sequence[np.ndarray], resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:
+    """The means of paired samples over ``resamples`` bootstrap resamples of the requests:
+    float64 [resamples, len(samples)].
 
-    ``samples``: paired arrays [n]; every resample draws n request indices with replacement and
-    takes the same indices from each sample, so pairs stay together. ``statistic`` receives the
-    resampled samples, each [chunk, n], and returns one value per row: [chunk].
+    ``samples``: paired arrays [n]. A resample draws n requests with replacement and takes every
+    sample at the same requests, so pairs stay together. Requests with the same values in every
+    sample are interchangeable, so a resample is drawn as how many times each distinct value tuple
+    comes up: multinomial counts with the tuples' frequencies, the same distribution as drawing
+    request indices, and for bools (at most 2^len(samples) tuples) a few draws per resample
+    instead of n.
     """
     samples = as_samples(*samples)
     n = len(samples[0])
@@ -81,13 +83,14 @@ def bootstrap(statistic: Statistic, samples: Sequence[np.ndarray], resamples: in
         raise ValueError("cannot resample an empty sample")
     if resamples < 1:
         raise ValueError(f"resamples must be positive, not {resamples}")
+    values, counts = np.unique(np.stack(samples, axis=1), axis=0, return_counts=True)  # [k, s], [k]
     rng = np.random.default_rng(seed)
-    chunk = max(1, CHUNK_DRAWS // n)
-    values = []
+    chunk = max(1, CHUNK_DRAWS // len(values))
+    means = []
     for start in range(0, resamples, chunk):
-        indices = rng.integers(0, n, size=(min(chunk, resamples - start), n))
-        values.append(np.asarray(statistic(*(sample[indices] for sample in samples)), dtype=np.float64))
-    return np.concatenate(values)
+        draws = rng.multinomial(n, counts / n, size=min(chunk, resamples - start))  # [chunk, k]
+        means.append(draws @ values / n)
+    return np.concatenate(means)
 
 
 def percentile_interval(values: np.ndarray, confidence: float = CONFIDENCE) -> Interval | None:
@@ -102,18 +105,6 @@ def percentile_interval(values: np.ndarray, confidence: float = CONFIDENCE) -> I
     return float(low), float(high)
 
 
-def _ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """100 x mean(a) / mean(b) per row, NaN where mean(b) is 0: [chunk, n] x2 -> [chunk]."""
-    numerator, denominator = a.mean(axis=-1), b.mean(axis=-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(denominator > 0, 100.0 * numerator / denominator, np.nan)
-
-
-def _difference_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """mean(a) - mean(b) per row: [chunk, n] x2 -> [chunk]."""
-    return a.mean(axis=-1) - b.mean(axis=-1)
-
-
 def ratio_interval(outcomes: Sequence[bool], reference: Sequence[bool], confidence: float = CONFIDENCE,
                    resamples: int = RESAMPLES, seed: int = SEED) -> Interval | None:
     """Percentile bootstrap interval of 100 x accuracy(outcomes) / accuracy(reference), in percent.
@@ -125,7 +116,10 @@ def ratio_interval(outcomes: Sequence[bool], reference: Sequence[bool], confiden
     a, b = as_samples(outcomes, reference)
     if len(a) == 0 or not b.any():
         return None
-    return percentile_interval(bootstrap(_ratio_of_means, (a, b), resamples, seed), confidence)
+    means = bootstrap_means((a, b), resamples, seed)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.where(means[:, 1] > 0, 100.0 * means[:, 0] / means[:, 1], np.nan)
+    return percentile_interval(ratios, confidence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +149,7 @@ def paired_difference(a: Sequence[bool] | Sequence[float], b: Sequence[bool] | S
     a, b = as_samples(a, b)
     if len(a) == 0:
         return None
-    interval = percentile_interval(bootstrap(_difference_of_means, (a, b), resamples, seed), confidence)
+    means = bootstrap_means((a, b), resamples, seed)
+    interval = percentile_interval(means[:, 0] - means[:, 1], confidence)
     assert interval is not None  # a difference of means is always defined
     return PairedDifference(len(a), float(a.mean() - b.mean()), *interval)
