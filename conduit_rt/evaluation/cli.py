@@ -24,7 +24,8 @@ from ..cli import (DEVICE_HELP, fractions, names_from, non_negative_float, non_n
                    reports_errors)
 from ..errors import ModelFormatError
 from ..extras import pyplot
-from . import report
+from . import report, statistics
+from .comparisons import paired_comparisons
 from .replay import REFERENCE_KEY, build_settings
 from .shards import replay_all
 
@@ -112,16 +113,19 @@ def resolve_model(path: Path, workdir: Path) -> Path:
 
 def collect(args: argparse.Namespace, settings, scores, seconds: float, device: torch.device, dtype: torch.dtype,
             model_path: Path, argv: list[str]) -> dict:
-    """The results dict (results.json): configuration, one row per setting, the checks."""
-    full_accuracy = scores[REFERENCE_KEY].accuracy
+    """The results dict (results.json): configuration, one row per setting (with its confidence intervals),
+    the checks, how the intervals were made and the paired comparisons (``comparisons``)."""
+    reference = scores[REFERENCE_KEY]
+    full_accuracy = reference.accuracy
     rows = []
     for setting in settings:
         row = {"key": setting.key, "kind": setting.kind, "refresh": setting.refresh, "budget": setting.budget,
                "compress": setting.compress, "keep": setting.keep}
-        row.update(scores[setting.key].summary(full_accuracy))
+        row.update(scores[setting.key].summary(reference))
         rows.append(row)
     none = scores.get("refresh:none@0")
     gap = 100 * (full_accuracy - none.accuracy) if none is not None and none.n else None
+    gap_difference = statistics.paired_difference(reference.correct, none.correct) if gap is not None else None
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     config.update(model_name=args.model.name, model_gguf=str(model_path), device=str(device),
                   dtype=str(dtype).replace("torch.", ""),
@@ -131,11 +135,18 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "device_name": torch.cuda.get_device_name(device)
                         if device.type == "cuda" else platform.processor() or "cpu"},
-        "n_requests": scores[REFERENCE_KEY].n,
+        "n_requests": reference.n,
         "seconds": seconds,
         "checks": {"full_accuracy": full_accuracy, "none_gap_points": gap,
+                   "none_gap_points_ci": [100 * gap_difference.low, 100 * gap_difference.high]
+                   if gap_difference is not None else None,
                    "tells_policies_apart": gap is not None and gap >= GAP_POINTS},
         "rows": rows,
+        "statistics": {"confidence": statistics.CONFIDENCE, "resamples": statistics.RESAMPLES,
+                       "seed": statistics.SEED, "accuracy_ci": "Wilson score interval",
+                       "pct_of_full_ci": "percentile bootstrap over requests, paired with the full prefill",
+                       "comparisons_ci": "percentile bootstrap over requests of the paired difference"},
+        "comparisons": paired_comparisons(settings, scores),
     }
 
 

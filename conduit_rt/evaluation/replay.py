@@ -177,13 +177,14 @@ def stat_measures(outcome: Outcome) -> dict[str, float]:
 
 @dataclass(slots=True)
 class ReplayRequest:
-    """What the replay needs of a test request: its messages, the ground truth, its page count and
-    the messages of the earlier requests in which its pages were seen."""
+    """What the replay needs of a test request: its messages, the ground truth, its page count, the
+    messages of the earlier requests in which its pages were seen and its task family."""
 
     messages: list[dict]
     answer: str
     num_pages: int
     seen: list[list[dict]]
+    family: str = "lookup"
 
 
 def run_requests(replay: Replay, requests: Sequence[ReplayRequest], time_limit_s: float | None = None,
@@ -200,7 +201,7 @@ def run_requests(replay: Replay, requests: Sequence[ReplayRequest], time_limit_s
         reference = outcomes[REFERENCE_KEY]
         for key, outcome in outcomes.items():
             scores[key].add(is_correct(outcome.text, request.answer), request.num_pages,
-                            {**fidelity(reference, outcome), **stat_measures(outcome)})
+                            {**fidelity(reference, outcome), **stat_measures(outcome)}, request.family)
         if (index + 1) % log_every == 0:
             logger.info("%d requests replayed in %.0f s; full prefill accuracy %.3f", index + 1,
                         time.perf_counter() - start, scores[REFERENCE_KEY].accuracy)
