@@ -28,7 +28,8 @@ from conduit_rt import Runtime
 from conduit_rt.errors import RuntimeClosedError
 from conduit_rt.evaluation.sessions import request_messages
 from conduit_rt.evaluation.task.data import build_pool
-from conduit_rt.evaluation.task.generator import Ask, make_request, retagged_request
+from conduit_rt.evaluation.task.families import make_request
+from conduit_rt.evaluation.task.generator import Ask, Question, retagged_request
 from conduit_rt.prefix_cache import common_prefix
 from tests.conftest import DEVICES
 
@@ -79,7 +80,7 @@ def interleaved(first: list[dict], second: list[dict], options: dict) -> Job:
 
 def conversation(request, options: dict) -> Job:
     """Two turns of a chat session: the request's question, then another question on its pages."""
-    followup = " " + request.question_for([Ask(0, request.pages[0].colours[-1])])
+    followup = " " + request.question_for(Question("code", (Ask(0, request.pages[0].colours[-1]),)))
 
     def run(rt: Runtime):
         chat = rt.chat()

@@ -74,6 +74,10 @@ def test_eval_command_writes_the_table_and_full_refresh_matches_the_reference(ta
                          "compress:none@1", "compress:vlcache@0.1", "refresh:conduit@0.1+compress:vlcache@0.1"}
     assert results["n_requests"] == 4 and all(row["n"] == 4 for row in rows.values())
     assert {"full_accuracy", "none_gap_points", "tells_policies_apart"} <= set(results["checks"])
+    for row in rows.values():  # 95% intervals around every accuracy; every request is of the default family
+        assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]
+        assert set(row["families"]) == {"lookup"} and row["families"]["lookup"]["n"] == 4
+    assert results["comparisons"] == []  # no baseline among full, none and conduit, nor among none and vlcache
     for key in (REFERENCE_KEY, "refresh:full@1", "compress:none@1"):  # everything recomputed or kept
         row = rows[key]
         assert row["kl"] < 1e-6 and row["top1"] == 1.0 and row["continuation_match"] == 1.0, key

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "conduit_rt"
 # (layer, name, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS = [
     (0, "foundation", ["errors", "extras", "config", "gguf_names", "gguf_keys", "gguf_parser", "locking", "results",
-                       "validation"]),
+                       "validation", "evaluation.statistics"]),
     (1, "native binding", ["native"]),
     (2, "arena", ["arena", "topk"]),
     (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "tokenizer", "chat", "sampling",

@@ -46,13 +46,14 @@ def tiny_folder(tmp_path_factory, tokenizer):
 
 
 def read_cells(pixels: np.ndarray) -> dict[tuple[int, int], tuple[str, str]]:
-    """Recover {(row, column): (char, colour)} of the inked cells of a page's pixels [64, 64, 3]
+    """Recover {(row, column): (char, colour)} of the inked cells of a page's pixels [S, S, 3]
     alone, by matching each cell against every glyph and every colour (grey for distractors)."""
     masks = {char: np.asarray(glyph_mask(char), dtype=bool) for char in GLYPH_CHARS}
     palette = {**COLOURS, "grey": generator.DISTRACTOR_RGB}
     found = {}
-    for row in range(GRID_SIZE):
-        for column in range(GRID_SIZE):
+    grid = pixels.shape[0] // CELL_SIZE
+    for row in range(grid):
+        for column in range(grid):
             cell = pixels[row * CELL_SIZE : (row + 1) * CELL_SIZE, column * CELL_SIZE : (column + 1) * CELL_SIZE]
             ink = (cell != 255).any(axis=-1)
             if not ink.any():
@@ -120,12 +121,12 @@ def test_reading_labels_match_the_pixels(pools):
 def test_question_answer_and_distractors(pools):
     pool = pools["train"]
     requests = pool.requests(200)
-    assert {r.num_pages for r in requests} == set(range(1, 9)) and {len(r.asks) for r in requests} == {1, 2}
+    assert {r.num_pages for r in requests} == set(range(1, 9)) and {len(r.asked.asks) for r in requests} == {1, 2}
     for request in requests:
         assert len(set(request.tags)) == request.num_pages
-        codes = [read_page(pool.pixels[request.page_ids[ask.position]])[ask.colour] for ask in request.asks]
+        codes = [read_page(pool.pixels[request.page_ids[ask.position]])[ask.colour] for ask in request.asked.asks]
         assert request.answer == " ".join(codes)
-        for ask in request.asks:
+        for ask in request.asked.asks:
             others = [p for i, p in enumerate(request.pages) if i != ask.position]
             shared = set(request.pages[ask.position].colours) & {c for p in others for c in p.colours}
             assert not shared or ask.colour in shared
@@ -181,7 +182,7 @@ def test_training_labels_are_the_answers_and_eos(tokenizer, pools):
     assert batch["page_ids"].tolist() == [i for r in requests for i in r.page_ids]
     for row, request in enumerate(requests):
         labels = batch["labels"][row][batch["labels"][row] != data.IGNORE_INDEX].tolist()
-        answers = [request.answer_to(asks) for asks in (request.asks, *request.followups)]
+        answers = [request.answer_to(question) for question in request.questions]
         assert labels.count(encoder.eos_token_id) == len(answers) and labels[-1] == encoder.eos_token_id
         assert tokenizer.decode(labels, skip_special_tokens=False) == "</s> ".join(answers) + "</s>"
         assert (batch["input_ids"][row] == encoder.image_token_id).sum() == NUM_IMAGE_TOKENS * request.num_pages
@@ -192,7 +193,7 @@ def test_training_labels_are_the_answers_and_eos(tokenizer, pools):
     rows, positions = batch["query_rows"], batch["query_positions"]
     assert (batch["input_ids"][rows, positions] == assistant).all()
     assert (batch["labels"][rows, positions + 1] != data.IGNORE_INDEX).all()
-    questions = [(r.tags[asks[0].position], asks[0].colour) for r in requests for asks in (r.asks, *r.followups)]
+    questions = [(r.tags[q.asks[0].position], q.asks[0].colour) for r in requests for q in r.questions]
     colours = list(COLOURS)
     assert [(generator.TAGS[t], colours[c]) for t, c in zip(batch["query_tags"].tolist(), batch["query_colours"].tolist())] == questions
 
@@ -217,7 +218,7 @@ def test_training_step_lowers_the_answer_loss_on_a_fixed_batch(tokenizer, pools)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(15):
-        loss = answer_loss(model, batch, pixel_values)
+        loss = answer_loss(model, batch, {"pixel_values": pixel_values})
         assert loss.ndim == 0
         optimizer.zero_grad()
         loss.backward()
@@ -237,8 +238,8 @@ def test_context_probe_loss_reads_the_probed_layer(tokenizer, pools):
     pixel_values = data.normalize_pixels(torch.from_numpy(pool.pixels)[batch["page_ids"]])
     model = new_model(tokenizer, MODEL_SIZES["tiny"], seed=0)
     probe = ContextProbe(model.config.text_config.hidden_size, layer=1)
-    losses = training_losses(model, batch, pixel_values, probe)
-    torch.testing.assert_close(losses["answer"], answer_loss(model, batch, pixel_values))
+    losses = training_losses(model, batch, {"pixel_values": pixel_values}, probe)
+    torch.testing.assert_close(losses["answer"], answer_loss(model, batch, {"pixel_values": pixel_values}))
     losses["probe"].backward()
     layers = model.model.language_model.layers
     assert layers[0].mlp.down_proj.weight.grad.abs().sum() > 0  # the probed layer's input side
@@ -269,7 +270,7 @@ def test_attention_hint_targets_each_answer_cell_and_matches_the_layers_attentio
     requests = pool.requests(4, max_pages=3, max_followups=2)
     batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id, encoder.image_token_id)
     assert len(batch["hint_targets"]) == sum(
-        len(r.answer_to(asks).replace(" ", "")) for r in requests for asks in (r.asks, *r.followups))
+        len(r.answer_to(question).replace(" ", "")) for r in requests for question in r.questions)
     for row, position, target in zip(*(batch[k].tolist() for k in ("hint_rows", "hint_positions", "hint_targets"))):
         request, row_ids = requests[row], batch["input_ids"][row]
         predicted = tokenizer.id_to_token(int(batch["labels"][row, position + 1])).lstrip("\u2581")
@@ -294,11 +295,11 @@ def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(to
     pool = pools["train"]
     requests = pool.requests(4, max_pages=3, max_followups=2, pair_fraction=0.5)
     batch = data.collate_for_training(encoder.encode(requests, with_answer=True), encoder.pad_token_id, encoder.image_token_id)
-    turns = [(row, asks) for row, r in enumerate(requests) for asks in (r.asks, *r.followups)]
+    turns = [(row, question) for row, r in enumerate(requests) for question in r.questions]
     assert len(batch["field_rows"]) == data.FIELD_HINT_TOKENS * len(turns)
     queries, targets = batch["field_queries"].tolist(), batch["field_targets"].tolist()
     for query, (row, position) in enumerate(zip(batch["field_rows"].tolist(), batch["field_positions"].tolist())):
-        (request_row, asks) = turns[query // data.FIELD_HINT_TOKENS]
+        (request_row, question) = turns[query // data.FIELD_HINT_TOKENS]
         assert row == request_row and batch["labels"][row, position] == -100  # a prompt token
         answer_starts = (batch["labels"][row] != -100).nonzero().flatten()
         assert position < int(answer_starts[answer_starts > position].min())  # before its answer
@@ -308,7 +309,7 @@ def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(to
         for target in [t for q, t in zip(queries, targets) if q == query]:
             page_position, cell = divmod(image_positions.index(target), NUM_IMAGE_TOKENS)
             chars += read_cells(pool.pixels[requests[row].page_ids[page_position]])[divmod(cell, GRID_SIZE)][0]
-        assert chars == requests[row].answer_to(asks).replace(" ", "")
+        assert chars == requests[row].answer_to(question).replace(" ", "")
     model, out = _eager_forward(tokenizer, pool, batch)
     with torch.no_grad():
         loss = field_hint_loss(model, out.hidden_states, batch, layer=1)

@@ -68,22 +68,13 @@ SETTINGS = [Setting("reference"), Setting("refresh", "full", 1.0), Setting("refr
             Setting("together", "conduit", 0.1, "vlcache", 0.1)]
 
 
-def asked_cells(request) -> tuple[tuple[int, int], ...]:
-    """The cells of the asked fields: (page position, row * grid + column) of each code character."""
-    from conduit_rt.evaluation.task.generator import CODE_LENGTH, GRID_SIZE
-
-    cells = []
-    for ask in request.asks:
-        field = next(f for f in request.pages[ask.position].fields if f.colour == ask.colour)
-        cells += [(ask.position, field.row * GRID_SIZE + field.column + k) for k in range(CODE_LENGTH)]
-    return tuple(cells)
-
-
 @pytest.fixture(scope="module")
 def replayed():
-    """Two task requests replayed on the bundled model: (replay, requests, outcomes per request)."""
+    """Two task requests (the dense family the bundled model reads) replayed on the bundled model:
+    (replay, requests, outcomes per request)."""
     from conduit_rt.evaluation.sessions import request_messages, seen_before
-    from conduit_rt.evaluation.task.generator import make_request, page_for
+    from conduit_rt.evaluation.task.families import make_request
+    from conduit_rt.evaluation.task.generator import page_for
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -91,9 +82,11 @@ def replayed():
     pool = [page_for(SEED, "test", index) for index in range(30)]
     requests = []
     for index in range(2):
-        task = make_request(pool, "test", SEED, index, min_pages=2, max_pages=3)
+        task = make_request(pool, "test", SEED, index, family="lookup", min_pages=2, max_pages=3)
+        assert task.needed_cells
         requests.append(ReplayRequest(request_messages(task), task.answer, task.num_pages,
-                                      seen_before(task, pool, "sessions", salt=index), asked_cells(task)))
+                                      seen_before(task, pool, "sessions", salt=index), task.family,
+                                      task.needed_cells))
     replay = Replay(runtime, SETTINGS, max_tokens=2)
     outcomes = [replay.session(request.messages, request.seen) for request in requests]
     yield replay, requests, outcomes

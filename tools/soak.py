@@ -41,7 +41,8 @@ import torch
 import conduit_rt
 from conduit_rt import Runtime
 from conduit_rt.evaluation.task.data import build_pool
-from conduit_rt.evaluation.task.generator import Ask, make_request, retagged_request
+from conduit_rt.evaluation.task.families import make_request
+from conduit_rt.evaluation.task.generator import Ask, Question, retagged_request
 
 SEED, SPLIT, PROBE_SPLIT, MAX_TOKENS = 5, "test", "val", 8
 REFRESH = (None, "conduit", "conduit", "none", "full")
@@ -126,7 +127,7 @@ def serve(rt: Runtime, spec: Spec, pages: PageImages) -> object:
         try:
             chat.send(messages[0]["content"], max_tokens=MAX_TOKENS, **spec.options)
             ask = Ask(0, spec.request.pages[0].colours[0])
-            return chat.send(" " + spec.request.question_for([ask]), max_tokens=MAX_TOKENS).text
+            return chat.send(" " + spec.request.question_for(Question("code", (ask,))), max_tokens=MAX_TOKENS).text
         finally:
             chat.close()
     stream = rt.stream(messages, max_tokens=MAX_TOKENS, **spec.options)

@@ -19,17 +19,20 @@ import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .. import BUNDLED_MODEL
+from .task.families import FAMILIES
 from ..cli import (DEVICE_HELP, fractions, names_from, non_negative_float, non_negative_int, positive_int,
                    reports_errors)
 from ..errors import ModelFormatError
 from ..extras import pyplot
-from . import report
+from . import report, statistics
+from .comparisons import paired_comparisons
 from .replay import REFERENCE_KEY, build_settings
 from .shards import replay_all
 
 logger = logging.getLogger("conduit_rt.evaluation")
 
 DEFAULT_MODEL = BUNDLED_MODEL
+FAMILY_NAMES = tuple(FAMILIES)
 REFRESH_POLICIES = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
 COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
 GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill for the task to tell policies apart
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--eval-pages: the same seed and size give the same test requests as its metrics)")
     parser.add_argument("--min-pages", type=positive_int, default=1, help="fewest pages in a request (default: %(default)s)")
     parser.add_argument("--max-pages", type=positive_int, default=8, help="most pages in a request (default: %(default)s)")
+    parser.add_argument("--families", type=names_from(FAMILY_NAMES), default=["lookup"], metavar="F,F,...",
+                        help="task families, comma-separated, from " + ", ".join(FAMILY_NAMES) +
+                             " (request i is of family i mod their count; default: %(default)s)")
     parser.add_argument("--seen", choices=("sessions", "retagged", "isolated"), default="sessions",
                         help="where the pages were seen before (see conduit_rt/evaluation/sessions.py)")
     parser.add_argument("--refresh-policies", type=names_from(REFRESH_POLICIES), default=list(REFRESH_POLICIES),
@@ -107,16 +113,19 @@ def resolve_model(path: Path, workdir: Path) -> Path:
 
 def collect(args: argparse.Namespace, settings, scores, seconds: float, device: torch.device, dtype: torch.dtype,
             model_path: Path, argv: list[str]) -> dict:
-    """The results dict (results.json): configuration, one row per setting, the checks."""
-    full_accuracy = scores[REFERENCE_KEY].accuracy
+    """The results dict (results.json): configuration, one row per setting (with its confidence intervals),
+    the checks, how the intervals were made and the paired comparisons (``comparisons``)."""
+    reference = scores[REFERENCE_KEY]
+    full_accuracy = reference.accuracy
     rows = []
     for setting in settings:
         row = {"key": setting.key, "kind": setting.kind, "refresh": setting.refresh, "budget": setting.budget,
                "compress": setting.compress, "keep": setting.keep}
-        row.update(scores[setting.key].summary(full_accuracy))
+        row.update(scores[setting.key].summary(reference))
         rows.append(row)
     none = scores.get("refresh:none@0")
     gap = 100 * (full_accuracy - none.accuracy) if none is not None and none.n else None
+    gap_difference = statistics.paired_difference(reference.correct, none.correct) if gap is not None else None
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     config.update(model_name=args.model.name, model_gguf=str(model_path), device=str(device),
                   dtype=str(dtype).replace("torch.", ""),
@@ -126,11 +135,18 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "device_name": torch.cuda.get_device_name(device)
                         if device.type == "cuda" else platform.processor() or "cpu"},
-        "n_requests": scores[REFERENCE_KEY].n,
+        "n_requests": reference.n,
         "seconds": seconds,
         "checks": {"full_accuracy": full_accuracy, "none_gap_points": gap,
+                   "none_gap_points_ci": [100 * gap_difference.low, 100 * gap_difference.high]
+                   if gap_difference is not None else None,
                    "tells_policies_apart": gap is not None and gap >= GAP_POINTS},
         "rows": rows,
+        "statistics": {"confidence": statistics.CONFIDENCE, "resamples": statistics.RESAMPLES,
+                       "seed": statistics.SEED, "accuracy_ci": "Wilson score interval",
+                       "pct_of_full_ci": "percentile bootstrap over requests, paired with the full prefill",
+                       "comparisons_ci": "percentile bootstrap over requests of the paired difference"},
+        "comparisons": paired_comparisons(settings, scores),
     }
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import statistics
+
 
 @dataclass(slots=True)
 class Outcome:
@@ -82,17 +84,38 @@ def is_correct(text: str, answer: str) -> bool:
     return text.strip() == answer
 
 
+def accuracy_cells(correct: Sequence[bool], reference: Sequence[bool] | None) -> dict:
+    """Accuracy of one setting over some requests with its 95% Wilson interval, and as % of the
+    reference's accuracy on the same requests (``reference``: one bool per request, same order)
+    with a paired bootstrap interval; the % fields are None without a reference or when it never
+    answers right. Intervals are [low, high] lists (fractions for accuracy, percent for % of full)."""
+    n, hits = len(correct), sum(correct)
+    full = sum(reference) / len(reference) if reference else 0.0
+    ratio = statistics.ratio_interval(correct, reference) if reference and full else None
+    return {"n": n, "accuracy": hits / n if n else 0.0,
+            "accuracy_ci": list(statistics.wilson_interval(hits, n)),
+            "accuracy_pct_of_full": 100.0 * (hits / n) / full if n and full else None,
+            "accuracy_pct_of_full_ci": list(ratio) if ratio is not None else None}
+
+
 @dataclass(slots=True)
 class SettingScores:
-    """Per-request measures of one setting, summed as requests come in (``summary`` gives means)."""
+    """Per-request measures of one setting, summed as requests come in (``summary`` gives means).
+
+    Every list holds one entry per request, in the order the requests were replayed: the lists of
+    two settings that answered the same requests are paired by position.
+    """
 
     correct: list[bool] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    families: list[str] = field(default_factory=list)
     measures: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, correct: bool, num_pages: int, measures: dict[str, float]) -> None:
+    def add(self, correct: bool, num_pages: int, measures: dict[str, float], family: str = "lookup") -> None:
+        """One request's outcome; ``family``: the request's task family."""
         self.correct.append(correct)
         self.pages.append(num_pages)
+        self.families.append(family)
         for name, value in measures.items():
             self.measures.setdefault(name, []).append(value)
 
@@ -100,6 +123,7 @@ class SettingScores:
         """Adds another shard's requests (``other`` measured the same setting)."""
         self.correct += other.correct
         self.pages += other.pages
+        self.families += other.families
         for name, values in other.measures.items():
             self.measures.setdefault(name, []).extend(values)
 
@@ -117,11 +141,32 @@ class SettingScores:
             table.setdefault(pages, []).append(hit)
         return {str(pages): round(sum(hits) / len(hits), 4) for pages, hits in sorted(table.items())}
 
-    def summary(self, full_accuracy: float | None) -> dict:
-        """Means over the requests; accuracy also as % of ``full_accuracy`` (None when that is 0)."""
-        out = {"n": self.n, "accuracy": self.accuracy,
-               "accuracy_pct_of_full": 100.0 * self.accuracy / full_accuracy if full_accuracy else None,
-               "accuracy_by_pages": self.accuracy_by_pages()}
+    def family_positions(self) -> dict[str, list[int]]:
+        """The positions of each task family's requests, families in sorted order."""
+        table: dict[str, list[int]] = {}
+        for position, family in enumerate(self.families):
+            table.setdefault(family, []).append(position)
+        return dict(sorted(table.items()))
+
+    def accuracy_by_family(self) -> dict[str, float]:
+        """Accuracy over each task family's requests."""
+        return {family: sum(self.correct[p] for p in positions) / len(positions)
+                for family, positions in self.family_positions().items()}
+
+    def summary(self, reference: SettingScores | None) -> dict:
+        """Means over the requests, and accuracy with its 95% interval, also as % of ``reference``'s
+        accuracy (the full prefill, answered on the same requests), overall and per task family
+        (``families``: family -> ``accuracy_cells``)."""
+        if reference is not None and reference.n != self.n:
+            raise ValueError(f"the reference answered {reference.n} requests, this setting {self.n}: "
+                             "they must answer the same requests")
+        full = reference.correct if reference is not None else None
+        out = accuracy_cells(self.correct, full)
+        out["accuracy_by_pages"] = self.accuracy_by_pages()
+        out["accuracy_by_family"] = self.accuracy_by_family()
+        out["families"] = {family: accuracy_cells([self.correct[p] for p in positions],
+                                                  [full[p] for p in positions] if full is not None else None)
+                           for family, positions in self.family_positions().items()}
         out.update({name: mean(values) for name, values in self.measures.items()})
         return out
 

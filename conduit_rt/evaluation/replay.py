@@ -180,13 +180,14 @@ def stat_measures(outcome: Outcome) -> dict[str, float]:
 @dataclass(slots=True)
 class ReplayRequest:
     """What the replay needs of a test request: its messages, the ground truth, its page count, the
-    messages of the earlier requests in which its pages were seen, and the image cells the answer
-    reads ((image index, cell index) pairs: ``recall``; none: no recall measures)."""
+    messages of the earlier requests in which its pages were seen, its task family, and the image
+    cells the answer reads ((image index, cell index) pairs: ``recall``; none: no recall measures)."""
 
     messages: list[dict]
     answer: str
     num_pages: int
     seen: list[list[dict]]
+    family: str = "lookup"
     needed_cells: tuple[tuple[int, int], ...] = ()
 
 
@@ -206,7 +207,7 @@ def run_requests(replay: Replay, requests: Sequence[ReplayRequest], time_limit_s
         for key, outcome in outcomes.items():
             scores[key].add(is_correct(outcome.text, request.answer), request.num_pages,
                             {**fidelity(reference, outcome), **stat_measures(outcome),
-                             **selection_measures(request.needed_cells, outcome.stats)})
+                             **selection_measures(request.needed_cells, outcome.stats)}, request.family)
         if (index + 1) % log_every == 0:
             logger.info("%d requests replayed in %.0f s; full prefill accuracy %.3f", index + 1,
                         time.perf_counter() - start, scores[REFERENCE_KEY].accuracy)

@@ -20,6 +20,10 @@ PLOTTING = {"extra": "eval", "command": "conduit eval", "purpose": "for its plot
 REFRESH_ORDER = ("full", "none", "first", "random", "attention", "cacheblend", "conduit")
 COMPRESS_ORDER = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache")
 HEADLINE_RATIO = 0.1
+COMPARISONS_NOTE = ("At every budget CONDUIT is set against `attention` and against the most accurate other refresh "
+                    "baseline there, at every keep ratio VL-Cache against the most accurate other compression policy; "
+                    "the interval is a percentile bootstrap over requests, so an interval that excludes 0 means the "
+                    "two settings differ at 95% confidence.")
 
 
 def rows_by_key(results: dict) -> dict[str, dict]:
@@ -45,11 +49,27 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}%"
 
 
+def _interval(bounds: list[float] | None, scale: float = 1.0) -> str:
+    """" [low, high]" of a confidence interval times ``scale``, or nothing when there is none."""
+    return "" if not bounds else f" [{scale * bounds[0]:.1f}, {scale * bounds[1]:.1f}]"
+
+
+def _accuracy(cells: dict) -> str:
+    """Exact match in percent with its 95% interval: "61.0 [55.2, 66.8]"."""
+    return f"{100 * cells['accuracy']:.1f}{_interval(cells.get('accuracy_ci'), 100)}"
+
+
+def _pct_of_full(cells: dict) -> str:
+    """% of full with its 95% interval: "95.3% [90.1, 99.0]"."""
+    value = cells["accuracy_pct_of_full"]
+    return _pct(value) + (_interval(cells.get("accuracy_pct_of_full_ci")) if value is not None else "")
+
+
 def _cell(row: dict | None) -> str:
-    """accuracy (% of full) of a row, or a dash."""
+    """accuracy [CI] (% of full [CI]) of a row or of one family of a row, or a dash."""
     if row is None:
         return "-"
-    return f"{100 * row['accuracy']:.1f} ({_pct(row['accuracy_pct_of_full'])})"
+    return f"{_accuracy(row)} ({_pct_of_full(row)})"
 
 
 def _policies(results: dict, kind: str, order: tuple[str, ...]) -> list[str]:
@@ -83,11 +103,58 @@ def detail_table(results: dict) -> str:
     lines = [header, "| --- |" + " ---: |" * 11]
     for row in results["rows"]:
         lines.append(
-            f"| `{row['key']}` | {100 * row['accuracy']:.1f} | {_pct(row['accuracy_pct_of_full'])} | "
+            f"| `{row['key']}` | {_accuracy(row)} | {_pct_of_full(row)} | "
             f"{row['kl_first']:.2e} | {row['kl']:.2e} | {row['top1_first']:.3f} | {row['top1']:.3f} | "
             f"{row['continuation_match']:.3f} | {row['hidden_rel_error']:.2e} | {row['prefill_flops_ratio']:.3f} | "
             f"{row['kv_ratio']:.3f} | {row['refreshed_fraction']:.3f} |")
     return "\n".join(lines)
+
+
+def families(results: dict) -> list[str]:
+    """The task families the rows were measured on, sorted (none for results without families)."""
+    return sorted({family for row in results["rows"] for family in row.get("families", {})})
+
+
+def family_table(results: dict) -> str:
+    """Every setting's exact match [95% CI] (% of full [95% CI]) in each task family's requests."""
+    names = families(results)
+    lines = ["| setting | " + " | ".join(f"{name} (n = {_family_n(results, name)})" for name in names) + " |",
+             "| --- |" + " ---: |" * len(names)]
+    for row in results["rows"]:
+        lines.append(f"| `{row['key']}` | " + " | ".join(_cell(row["families"].get(name)) for name in names) + " |")
+    return "\n".join(lines)
+
+
+def _family_n(results: dict, name: str) -> int:
+    return max(row["families"][name]["n"] for row in results["rows"] if name in row.get("families", {}))
+
+
+def _level_name(kind: str, level: float) -> str:
+    return f"{'r' if kind == 'refresh' else 'α'} = {100 * level:g}%"
+
+
+def _difference(comparison: dict) -> str:
+    """A - B in points with its 95% interval: "+4.2 [1.1, 7.3]"."""
+    return f"{100 * comparison['difference']:+.1f}{_interval(comparison['ci'], 100)}"
+
+
+def comparisons_table(results: dict) -> str:
+    """The paired comparisons: A - B in exact-match points over the same requests, 95% bootstrap interval."""
+    lines = ["| comparison | at | A | B | A exact match % | B exact match % | A - B (points) [95% CI] | CI excludes 0 |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for c in results["comparisons"]:
+        lines.append(f"| {c['label']} | {_level_name(c['kind'], c['level'])} | `{c['a']}` | `{c['b']}` | "
+                     f"{100 * c['accuracy_a']:.1f} | {100 * c['accuracy_b']:.1f} | {_difference(c)} | "
+                     f"{'yes' if c['excludes_zero'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def comparison_notes(results: dict, kind: str, level: float) -> str:
+    """The comparisons at one budget or keep ratio as a clause: "paired: vs `attention` +4.2 [1.1, 7.3] points (CI excludes 0)"."""
+    found = [c for c in results.get("comparisons", []) if c["kind"] == kind and abs(c["level"] - level) < 1e-9]
+    parts = [f"{c['label'].split(' vs ', 1)[1]} {_difference(c)} points "
+             f"({'CI excludes 0' if c['excludes_zero'] else 'CI includes 0'})" for c in found]
+    return ("; paired differences over the same requests: " + ", ".join(parts)) if parts else ""
 
 
 def headline(results: dict) -> list[str]:
@@ -96,7 +163,8 @@ def headline(results: dict) -> list[str]:
     notes = []
     check = results["checks"]
     if check["none_gap_points"] is not None:
-        notes.append(f"`none` (stale KV, no refresh) scores {check['none_gap_points']:.1f} points below full prefill "
+        notes.append(f"`none` (stale KV, no refresh) scores {check['none_gap_points']:.1f}"
+                     f"{_interval(check.get('none_gap_points_ci'))} points below full prefill "
                      f"({100 * check['full_accuracy']:.1f}% exact match): the benchmark "
                      f"{'tells' if check['tells_policies_apart'] else 'does NOT tell'} policies apart (needs >= 5 points).")
     conduit = refresh_row(results, "conduit", HEADLINE_RATIO)
@@ -105,14 +173,16 @@ def headline(results: dict) -> list[str]:
                   and (row := refresh_row(results, p, HEADLINE_RATIO)) is not None]
         notes.append(f"CONDUIT at r = 10%: {_pct(conduit['accuracy_pct_of_full'])} of full-prefill accuracy at "
                      f"{conduit['prefill_flops_ratio']:.3f}x its prefill FLOPs (KL {conduit['kl_first']:.2e}, top-1 "
-                     f"{conduit['top1_first']:.3f}); at the same budget " + ", ".join(others) + ".")
+                     f"{conduit['top1_first']:.3f}); at the same budget " + ", ".join(others)
+                     + comparison_notes(results, "refresh", HEADLINE_RATIO) + ".")
     vlcache = compress_row(results, "vlcache", HEADLINE_RATIO)
     if vlcache is not None:
         others = [f"`{p}` {_pct(row['accuracy_pct_of_full'])}" for p in COMPRESS_ORDER if p != "vlcache"
                   and (row := compress_row(results, p, HEADLINE_RATIO)) is not None]
         notes.append(f"VL-Cache at α = 10%: {_pct(vlcache['accuracy_pct_of_full'])} of full-cache accuracy with "
                      f"{vlcache['kv_ratio']:.3f}x the KV bytes (continuation match {vlcache['continuation_match']:.3f}); "
-                     "at the same keep ratio " + ", ".join(others) + ".")
+                     "at the same keep ratio " + ", ".join(others)
+                     + comparison_notes(results, "compress", HEADLINE_RATIO) + ".")
     together = [row for row in results["rows"] if row["kind"] == "together"]
     for row in together:
         notes.append(f"CONDUIT r = {100 * row['budget']:g}% + VL-Cache α = {100 * row['keep']:g}% together: "
@@ -128,13 +198,20 @@ def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
              f"at most {c['max_tokens']} tokens, {results['seconds']:.0f} s.")
     parts = [
         "### Setup", setup,
-        "### Refresh policies: exact match % (and % of full prefill) by refresh budget",
+        "### Refresh policies: exact match % [95% CI] (and % of full prefill [95% CI]) by refresh budget",
         refresh_table(results),
         ("`full` and `none` do not depend on the budget; at r = 0 every policy refreshes nothing, so that column "
          "is `none`."),
-        "### Compression policies: exact match % (and % of full cache) by keep ratio",
+        "### Compression policies: exact match % [95% CI] (and % of full cache [95% CI]) by keep ratio",
         compress_table(results),
         "`none` keeps the whole cache (a full prefill with compression on and nothing dropped).",
+    ]
+    if families(results):
+        parts += ["### By task family: exact match % [95% CI] (and % of full prefill [95% CI])", family_table(results)]
+    if results.get("comparisons"):
+        parts += ["### Paired comparisons: A - B in exact-match points over the same requests",
+                  comparisons_table(results), COMPARISONS_NOTE]
+    parts += [
         "### Every setting",
         detail_table(results),
         f"![accuracy by budget]({plot_name})",
@@ -151,25 +228,36 @@ def recall_plot_name(plot_name: str) -> str:
     return plot_name.replace(".png", "-recall.png")
 
 
+def _draw(axis, points: list[tuple[float, dict]], fmt: str, **style) -> None:
+    """One policy's accuracy (%) at each x as a line with its 95% interval as error bars (when the rows have one)."""
+    xs = [x for x, _ in points]
+    ys = [100 * row["accuracy"] for _, row in points]
+    bounds = [row.get("accuracy_ci") for _, row in points]
+    errors = None
+    if all(bounds):
+        errors = [[y - 100 * b[0] for y, b in zip(ys, bounds)], [100 * b[1] - y for y, b in zip(ys, bounds)]]
+    axis.errorbar(xs, ys, yerr=errors, fmt=fmt, capsize=2, elinewidth=1, **style)
+
+
 def plot(results: dict, path: Path) -> None:
-    """Accuracy vs refresh budget per refresh policy (left) and vs keep ratio per compression policy (right)."""
+    """Accuracy vs refresh budget per refresh policy (left) and vs keep ratio per compression policy (right),
+    with 95% intervals as error bars."""
     plt = pyplot(**PLOTTING)
 
     full = 100 * results["checks"]["full_accuracy"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     budgets = results["config"]["budgets"]
     for policy in _policies(results, "refresh", REFRESH_ORDER):
-        points = [(100 * b, 100 * row["accuracy"]) for b in budgets if (row := refresh_row(results, policy, b))]
-        style = "--" if policy in ("full", "none") else "-"
-        left.plot(*zip(*points), style, marker="o", label=policy, linewidth=2.5 if policy == "conduit" else 1.5)
+        points = [(100 * b, row) for b in budgets if (row := refresh_row(results, policy, b))]
+        style = "--o" if policy in ("full", "none") else "-o"
+        _draw(left, points, style, label=policy, linewidth=2.5 if policy == "conduit" else 1.5)
     for row in (r for r in results["rows"] if r["kind"] == "together"):
-        left.plot([100 * row["budget"]], [100 * row["accuracy"]], "*", markersize=14,
-                  label=f"conduit + vlcache (α {100 * row['keep']:g}%)")
+        _draw(left, [(100 * row["budget"], row)], "*", markersize=14, label=f"conduit + vlcache (α {100 * row['keep']:g}%)")
     keeps = results["config"]["keeps"]
     for policy in _policies(results, "compress", COMPRESS_ORDER):
-        points = [(100 * k, 100 * row["accuracy"]) for k in keeps if (row := compress_row(results, policy, k))]
-        style = "--" if policy == "none" else "-"
-        right.plot(*zip(*points), style, marker="o", label=policy, linewidth=2.5 if policy == "vlcache" else 1.5)
+        points = [(100 * k, row) for k in keeps if (row := compress_row(results, policy, k))]
+        style = "--o" if policy == "none" else "-o"
+        _draw(right, points, style, label=policy, linewidth=2.5 if policy == "vlcache" else 1.5)
     for axis, title, xlabel in ((left, "Refresh of restored image KV", "refresh budget r (% of visual tokens)"),
                                 (right, "KV compression for decoding", "keep ratio α (% of the prompt's KV)")):
         axis.axhline(full, color="black", linewidth=1, linestyle=":", label="full prefill")
@@ -207,6 +295,15 @@ head's input). "first" is the distribution right after the prompt (where refresh
 averages over every decode step whose earlier tokens equal the reference's (where compression
 acts). Prefill FLOPs: linear + attention FLOPs of the prefill over those of a full prefill (the
 runtime's count, scoring included). KV kept: the sequence's KV bytes after compression over before.
+
+**Statistics** (`conduit_rt/evaluation/statistics.py`). Every setting answers the same requests, so
+its outcomes pair up request by request with every other setting's. Accuracy cells give a 95%
+Wilson score interval in brackets; % of full gives a 95% percentile bootstrap interval over
+requests (seeded: `results.json`'s `statistics` gives the resample count and the seed), each
+resample taking the same requests for the setting and the full prefill. The paired comparisons
+resample requests the same way and give the 95% interval of the difference in exact match between
+two settings; an interval that excludes 0 means the two settings differ at that confidence. The
+best baseline of a comparison is chosen on the same requests, which favours it.
 
 The command that produced these numbers:
 

@@ -20,7 +20,7 @@ import functools
 import random
 from collections.abc import Sequence
 
-from conduit_rt.evaluation.task.generator import MAX_PAGES, TAGS, Ask, Page, Request, retagged_request
+from conduit_rt.evaluation.task.generator import MAX_PAGES, TAGS, Ask, Page, Question, Request, retagged_request
 
 SEEN_MODES = ("sessions", "retagged", "isolated")
 MAX_GROUP = 3
@@ -70,7 +70,7 @@ def _request_with_new_tags(split: str, pool: Sequence[Page], items: list[tuple[i
     pages = tuple(pool[page_id] for page_id, _ in items)
     position = rng.randrange(len(items))
     ask = Ask(position, rng.choice(pages[position].colours))
-    return Request(split, tuple(page_id for page_id, _ in items), pages, tuple(tags), (ask,))
+    return Request(split, tuple(page_id for page_id, _ in items), pages, tuple(tags), (Question("code", (ask,)),))
 
 
 def seen_before(request: Request, pool: Sequence[Page], mode: str = "sessions", salt: int = 1) -> list[list[dict]]:

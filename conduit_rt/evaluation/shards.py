@@ -25,17 +25,25 @@ logger = logging.getLogger(__name__)
 
 
 def split_requests(args: argparse.Namespace, indices: list[int]) -> list[ReplayRequest]:
-    """Test-split requests ``indices`` with the messages of the earlier requests that saw their pages."""
-    from conduit_rt.evaluation.task.generator import make_request, page_for
+    """Test-split requests ``indices`` with the messages of the earlier requests that saw their pages.
+    Request ``index`` belongs to family ``args.families[index % len(args.families)]``."""
+    from conduit_rt.evaluation.task.families import family_layout, make_request
+    from conduit_rt.evaluation.task.generator import page_for
 
     from .sessions import request_messages, seen_before
 
-    pool = [page_for(args.seed, "test", index) for index in range(args.pool_pages)]
+    pools: dict[str, list] = {}
     out = []
     for index in indices:
-        request = make_request(pool, "test", args.seed, index, min_pages=args.min_pages, max_pages=args.max_pages)
+        family = args.families[index % len(args.families)]
+        layout = family_layout(family)
+        if layout not in pools:
+            pools[layout] = [page_for(args.seed, "test", page, layout) for page in range(args.pool_pages)]
+        pool = pools[layout]
+        request = make_request(pool, "test", args.seed, index, family=family, min_pages=args.min_pages,
+                               max_pages=args.max_pages)
         out.append(ReplayRequest(request_messages(request), request.answer, request.num_pages,
-                                 seen_before(request, pool, args.seen, salt=index)))
+                                 seen_before(request, pool, args.seen, salt=index), family))
     return out
 
 

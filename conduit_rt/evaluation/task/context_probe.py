@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .generator import COLOURS, TAGS
-from .model_config import NUM_IMAGE_TOKENS
 
 
 def probe_layer(num_layers: int) -> int:
@@ -41,15 +40,23 @@ class ContextProbe(nn.Module):
         self.query_colour = nn.Linear(text_hidden, len(COLOURS))
 
     def loss(self, hidden_states: tuple[torch.Tensor, ...], batch: dict[str, torch.Tensor], image_token_id: int) -> torch.Tensor:
-        """Summed cross-entropies. ``batch``: ``input_ids`` [B, T], ``image_tags`` [num_images],
-        ``query_rows``/``query_positions``/``query_tags``/``query_colours`` [num_questions] (int64)."""
+        """Summed cross-entropies. ``batch``: ``input_ids`` [B, T], ``image_tags`` and ``image_tokens``
+        [num_images], ``query_rows``/``query_positions``/``query_tags``/``query_colours``
+        [num_questions] (int64; -100: no target)."""
         hidden = hidden_states[self.layer]
-        image_hidden = hidden[batch["input_ids"] == image_token_id]  # [num_images * 64, D], image order
-        page_tags = batch["image_tags"].repeat_interleave(NUM_IMAGE_TOKENS)
+        image_hidden = hidden[batch["input_ids"] == image_token_id]  # [visual tokens, D], image order
+        page_tags = batch["image_tags"].repeat_interleave(batch["image_tokens"])
         query_hidden = hidden[batch["query_rows"], batch["query_positions"]]  # [num_questions, D]
         cross_entropy = nn.functional.cross_entropy
         return (
             cross_entropy(self.page_tag(image_hidden).float(), page_tags)
-            + cross_entropy(self.query_tag(query_hidden).float(), batch["query_tags"])
-            + cross_entropy(self.query_colour(query_hidden).float(), batch["query_colours"])
+            + _optional_cross_entropy(self.query_tag(query_hidden).float(), batch["query_tags"])
+            + _optional_cross_entropy(self.query_colour(query_hidden).float(), batch["query_colours"])
         )
+
+
+def _optional_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the rows with a target (-100: none); 0 when no row has one."""
+    if not bool((targets != -100).any()):
+        return logits.sum() * 0.0
+    return nn.functional.cross_entropy(logits, targets, ignore_index=-100)

@@ -13,7 +13,7 @@ from .generator import Request
 
 logger = logging.getLogger(__name__)
 
-MAX_ANSWER_TOKENS = 8  # two codes: "▁K", "7", "Q", "▁4", "Z", "B", then EOS
+MAX_ANSWER_TOKENS = 8  # two codes ("▁K", "7", "Q", "▁4", "Z", "B") or five colours, then the end of turn
 
 
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -22,18 +22,25 @@ def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
 
 
 def pool_pixels(pool: PagePool, page_ids: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Normalized ``pixel_values`` [len(page_ids), 3, 64, 64] of pool pages, in order."""
+    """Normalized ``pixel_values`` [len(page_ids), 3, S, S] of pool pages, in order (LLaVA's input)."""
     pixels = torch.from_numpy(pool.pixels[np.asarray(page_ids, dtype=np.int64)])
     return normalize_pixels(pixels.to(device), dtype)
 
 
+def llava_image_inputs(pixels: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """LLaVA's image inputs of uint8 pages [n, S, S, 3]: ``pixel_values`` [n, 3, S, S] in ``dtype``."""
+    return {"pixel_values": normalize_pixels(pixels, dtype)}
+
+
 @torch.no_grad()
 def greedy_answers(model, encoder: PromptEncoder, requests: Sequence[Request], pool: PagePool,
-                   batch_size: int = 64, pool_pixels_on_device: torch.Tensor | None = None) -> list[str]:
+                   batch_size: int = 64, pool_pixels_on_device: torch.Tensor | None = None,
+                   image_inputs=llava_image_inputs) -> list[str]:
     """Greedy answers (decoded, stripped) to ``requests`` over ``pool``'s pages, full prefill.
 
     Batches are left-padded with an attention mask; ``pool_pixels_on_device`` (uint8
-    [size, 64, 64, 3], optional) avoids copying pages to the device for every batch.
+    [size, S, S, 3], optional) avoids copying pages to the device for every batch;
+    ``image_inputs(pixels [n, S, S, 3] uint8, dtype)`` gives the model's image keyword arguments.
     """
     device, dtype = model_device_dtype(model)
     answers: list[str] = []
@@ -48,11 +55,11 @@ def greedy_answers(model, encoder: PromptEncoder, requests: Sequence[Request], p
             attention_mask[row, length - len(item.ids) :] = 1
         page_ids = [page_id for request in chunk for page_id in request.page_ids]
         if pool_pixels_on_device is not None:
-            pixel_values = normalize_pixels(pool_pixels_on_device[torch.tensor(page_ids, device=device)], dtype)
+            pixels = pool_pixels_on_device[torch.tensor(page_ids, device=device)]
         else:
-            pixel_values = pool_pixels(pool, page_ids, device, dtype)
+            pixels = torch.from_numpy(pool.pixels[np.asarray(page_ids, dtype=np.int64)]).to(device)
         output = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), pixel_values=pixel_values,
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **image_inputs(pixels, dtype),
             max_new_tokens=MAX_ANSWER_TOKENS, do_sample=False, pad_token_id=encoder.pad_token_id,
             eos_token_id=encoder.eos_token_id,
         )

@@ -16,32 +16,33 @@ import numpy as np
 import torch
 from torch import nn
 
-from .generator import CODE_ALPHABET, COLOURS, GRID_SIZE, Page
+from .generator import CODE_ALPHABET, COLOURS, Page
 
 NUM_CHAR_CLASSES = 1 + len(CODE_ALPHABET)  # 0: blank cell
 COLOUR_CLASSES = ("none", *COLOURS, "grey")
 
 
 def cell_labels(pages: Sequence[Page]) -> np.ndarray:
-    """Per page and cell (row-major, as image tokens are ordered): [n, 2, 64] uint8,
-    [:, 0] the character class (0 blank, 1 + index in CODE_ALPHABET), [:, 1] the colour class."""
-    labels = np.zeros((len(pages), 2, GRID_SIZE * GRID_SIZE), dtype=np.uint8)
+    """Per page and cell (row-major, as image tokens are ordered): [n, 2, cells] uint8 (pages of one
+    grid), [:, 0] the character class (0 blank, 1 + index in CODE_ALPHABET), [:, 1] the colour class."""
+    labels = np.zeros((len(pages), 2, pages[0].num_cells), dtype=np.uint8)
     grey = COLOUR_CLASSES.index("grey")
     for index, page in enumerate(pages):
         for field in page.fields:
-            for offset, char in enumerate(field.code):
-                cell = field.row * GRID_SIZE + field.column + offset
+            for char, cell in zip(field.code, page.cells_of(field)):
                 labels[index, :, cell] = (1 + CODE_ALPHABET.index(char), COLOUR_CLASSES.index(field.colour))
         for row, column, char in page.distractors:
-            labels[index, :, row * GRID_SIZE + column] = (1 + CODE_ALPHABET.index(char), grey)
+            labels[index, :, row * page.grid + column] = (1 + CODE_ALPHABET.index(char), grey)
     return labels
 
 
 class ReadingHead(nn.Module):
-    """Linear char and colour classifiers on the projector's output [num_images, 64, text_hidden].
+    """Linear char and colour classifiers on the projector's output (visual tokens, row-major per
+    image, images in order: LLaVA's [num_images, cells, text_hidden], Qwen2-VL's merger output
+    [visual tokens, text_hidden]).
 
     ``attach(model)`` hooks the model's projector; after a forward, ``loss(labels)`` with
-    ``labels`` [num_images, 2, 64] (int64, images in the order of ``pixel_values``) returns the
+    ``labels`` [num_images, 2, cells] (int64, images in the order of ``pixel_values``) returns the
     summed cross-entropies. ``detach()`` removes the hook.
     """
 
@@ -56,7 +57,8 @@ class ReadingHead(nn.Module):
         def keep(_module, _inputs, output):
             self._features = output
 
-        self._handle = model.model.multi_modal_projector.register_forward_hook(keep)
+        projector = getattr(model.model, "multi_modal_projector", None) or model.model.visual.merger
+        self._handle = projector.register_forward_hook(keep)
 
     def detach(self) -> None:
         if self._handle is not None:
@@ -67,8 +69,9 @@ class ReadingHead(nn.Module):
         features, self._features = self._features, None
         if features is None:
             raise RuntimeError("ReadingHead.loss needs a model forward with images since attach()")
-        chars = self.chars(features).flatten(0, 1).float()
-        colours = self.colours(features).flatten(0, 1).float()
+        features = features.reshape(-1, features.shape[-1])
+        chars = self.chars(features).float()
+        colours = self.colours(features).float()
         return nn.functional.cross_entropy(chars, labels[:, 0].flatten()) + nn.functional.cross_entropy(
             colours, labels[:, 1].flatten()
         )

@@ -60,7 +60,7 @@ CHAT_TEMPLATE = (
 
 def task_words() -> list[str]:
     """Every word form the task writes, spaces included ("USER:" follows BOS with no space)."""
-    words = ["USER:", " ASSISTANT:", " and", "?"]
+    words = ["USER:", " ASSISTANT:", " and", "?", " where", " colours"]
     words += [" " + tag for tag in TAGS] + [" " + colour for colour in COLOURS]
     words += [" " + char for char in CODE_ALPHABET]
     return words
