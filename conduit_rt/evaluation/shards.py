@@ -43,7 +43,8 @@ def split_requests(args: argparse.Namespace, indices: list[int]) -> list[ReplayR
         request = make_request(pool, "test", args.seed, index, family=family, min_pages=args.min_pages,
                                max_pages=args.max_pages)
         out.append(ReplayRequest(request_messages(request), request.answer, request.num_pages,
-                                 seen_before(request, pool, args.seen, salt=index), family))
+                                 seen_before(request, pool, args.seen, salt=index), family,
+                                 request.needed_cells))
     return out
 
 
