@@ -173,15 +173,15 @@ def headline(results: dict) -> list[str]:
                   and (row := refresh_row(results, p, HEADLINE_RATIO)) is not None]
         notes.append(f"CONDUIT at r = 10%: {_pct(conduit['accuracy_pct_of_full'])} of full-prefill accuracy at "
                      f"{conduit['prefill_flops_ratio']:.3f}x its prefill FLOPs (KL {conduit['kl_first']:.2e}, top-1 "
-                     f"{conduit['top1_first']:.3f}); at the same budget " + ", ".join(others)
+                     f"{conduit['top1_first']:.3f})" + _alongside("at the same budget", others)
                      + comparison_notes(results, "refresh", HEADLINE_RATIO) + ".")
     vlcache = compress_row(results, "vlcache", HEADLINE_RATIO)
     if vlcache is not None:
         others = [f"`{p}` {_pct(row['accuracy_pct_of_full'])}" for p in COMPRESS_ORDER if p != "vlcache"
                   and (row := compress_row(results, p, HEADLINE_RATIO)) is not None]
         notes.append(f"VL-Cache at α = 10%: {_pct(vlcache['accuracy_pct_of_full'])} of full-cache accuracy with "
-                     f"{vlcache['kv_ratio']:.3f}x the KV bytes (continuation match {vlcache['continuation_match']:.3f}); "
-                     "at the same keep ratio " + ", ".join(others)
+                     f"{vlcache['kv_ratio']:.3f}x the KV bytes (continuation match {vlcache['continuation_match']:.3f})"
+                     + _alongside("at the same keep ratio", others)
                      + comparison_notes(results, "compress", HEADLINE_RATIO) + ".")
     together = [row for row in results["rows"] if row["kind"] == "together"]
     for row in together:
@@ -189,6 +189,11 @@ def headline(results: dict) -> list[str]:
                      f"{_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at {row['prefill_flops_ratio']:.3f}x "
                      f"the prefill FLOPs and {row['kv_ratio']:.3f}x the KV bytes.")
     return notes
+
+
+def _alongside(where: str, others: list[str]) -> str:
+    """"; <where> a, b" naming the other policies' figures, or nothing when none was measured."""
+    return f"; {where} " + ", ".join(others) if others else ""
 
 
 def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
