@@ -16,7 +16,7 @@ from PIL import Image
 from conduit_rt.evaluation.task import data
 from conduit_rt.evaluation.task.model_config import MODEL_SIZES, new_model
 from conduit_rt.evaluation.task.qwen_model import (
-    MAX_POSITIONS, image_token_types, mrope_position_ids, new_qwen_model, patchify, write_qwen_model_folder,
+    MAX_POSITIONS, image_token_types, mrope_position_ids, mrope_positions, new_qwen_model, patchify, write_qwen_model_folder,
 )
 from conduit_rt.evaluation.task.tokenizer import (
     IM_END, IM_START, IMAGE_PAD, QWEN_CHAT_TEMPLATE, build_qwen_tokenizer, qwen_followup_text, qwen_prompt_text,
@@ -45,7 +45,7 @@ def perturbed_qwen_model(tokenizer, seed: int = 3):
     noise = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=noise))
+            parameter.add_(0.2 * torch.randn(parameter.shape, generator=noise))
     return model.eval()
 
 
@@ -87,6 +87,8 @@ def test_patchify_refuses_pages_off_the_cell_grid():
         patchify([torch.zeros((60, 64, 3), dtype=torch.uint8)])
     with pytest.raises(ValueError, match="uint8"):
         patchify([torch.zeros((64, 64, 3))])
+    with pytest.raises(ValueError, match="does not match its grid"):
+        mrope_positions(torch.tensor([[1, 5, 5, 5, 2]]), torch.tensor([[1, 4, 4]]), image_token_id=5)
 
 
 def test_default_model_fits_the_budget_and_the_longest_requests(tokenizer):
@@ -182,6 +184,9 @@ def test_attention_log_probs_equal_eager_attention(tokenizer, pool, architecture
     if architecture == "qwen2vl":
         position_ids = mrope_position_ids(model, input_ids, inputs["image_grid_thw"], attention_mask)
         assert position_ids.shape == (3, 2, length) and (position_ids[1] != position_ids[2]).any()
+        unmasked = mrope_position_ids(model, input_ids, inputs["image_grid_thw"])
+        assert torch.equal(mrope_positions(input_ids, inputs["image_grid_thw"], model.config.image_token_id), unmasked)
+        assert torch.equal(unmasked[:, attention_mask.bool()], position_ids[:, attention_mask.bool()])
         inputs["mm_token_type_ids"] = image_token_types(model, input_ids)
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                 output_attentions=True, **inputs)

@@ -12,6 +12,11 @@ parameters, about 30 MB in bfloat16; ``tiny`` for CPU tests); the decoder's RoPE
 ``Qwen2VLImageProcessor`` returns for them, on the pages' device (pages sit on the GPU during
 training). ``write_qwen_model_folder`` writes what a Qwen2-VL hub repo holds, so that
 ``Qwen2VLForConditionalGeneration.from_pretrained`` and ``conduit convert`` load it.
+
+transformers' Qwen2-VL builds M-RoPE positions only when given ``mm_token_type_ids``
+(``image_token_types``) with ``image_grid_thw``, or takes ``position_ids`` [3, B, T] as they are:
+``mrope_position_ids`` (the model's ``get_rope_index``) and ``mrope_positions`` (the same without
+a model, for collate functions) compute them.
 """
 
 from __future__ import annotations
@@ -179,3 +184,33 @@ def mrope_position_ids(model, input_ids: torch.Tensor, image_grid_thw: torch.Ten
         attention_mask=attention_mask,
     )
     return positions
+
+
+def mrope_positions(input_ids: np.ndarray | torch.Tensor, image_grid_thw: np.ndarray | torch.Tensor,
+                    image_token_id: int) -> torch.Tensor:
+    """``mrope_position_ids`` without a model, on the CPU (for a collate function in DataLoader
+    workers): int64 [3, B, T] for ``input_ids`` [B, T] whose runs of ``image_token_id`` are the
+    images of ``image_grid_thw`` [num_images, 3] (t = 1, merged 2x2) in order, row by row. Padding
+    counts as text (right padding leaves every real token's position as without it)."""
+    ids = np.asarray(input_ids.cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
+    grids = iter(np.asarray(image_grid_thw.cpu() if isinstance(image_grid_thw, torch.Tensor) else image_grid_thw).tolist())
+    positions = np.empty((3, *ids.shape), dtype=np.int64)
+    for row, row_ids in enumerate(ids):
+        is_image = row_ids == image_token_id
+        starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
+        token, position = 0, 0  # next token index, next text position
+        for start in (*starts.tolist(), len(row_ids)):
+            positions[:, row, token:start] = position + np.arange(start - token)
+            position += start - token
+            if start == len(row_ids):
+                break
+            frames, height, width = next(grids)
+            rows, columns = height // MERGE_SIZE, width // MERGE_SIZE
+            if frames != 1 or not is_image[start:start + rows * columns].all():
+                raise ValueError(f"image at token {start} of row {row} does not match its grid {(frames, height, width)}")
+            stop = start + rows * columns
+            positions[0, row, start:stop] = position
+            positions[1, row, start:stop] = position + np.repeat(np.arange(rows), columns)
+            positions[2, row, start:stop] = position + np.tile(np.arange(columns), rows)
+            token, position = stop, position + max(rows, columns)
+    return torch.from_numpy(positions)
