@@ -18,9 +18,11 @@ from conduit_rt.evaluation.task.model_config import MODEL_SIZES, new_model
 from conduit_rt.evaluation.task.qwen_model import (
     MAX_POSITIONS, image_token_types, mrope_position_ids, mrope_positions, new_qwen_model, patchify, write_qwen_model_folder,
 )
+from conduit_rt.evaluation.task.data import QWEN_FRAME, conversation_text, prompt_text
+from conduit_rt.evaluation.task.families import FAMILIES
+from conduit_rt.evaluation.task.generator import COLOURS, TAGS
 from conduit_rt.evaluation.task.tokenizer import (
-    IM_END, IM_START, IMAGE_PAD, QWEN_CHAT_TEMPLATE, build_qwen_tokenizer, qwen_followup_text, qwen_prompt_text,
-    qwen_task_words,
+    IM_END, IM_START, IMAGE_PAD, QWEN_CHAT_TEMPLATE, build_qwen_tokenizer, qwen_task_words,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -35,8 +37,19 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def pool():
-    return data.build_pool(SEED, "test", 24)
+def pools():
+    """A test pool per family (dense 64 px, sparse 128 px, poster 192 px pages)."""
+    return data.build_pools(SEED, "test", 16, FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def pool(pools):
+    return pools["lookup"]
+
+
+def family_requests(pools, count: int, **options):
+    """``count`` requests of every family."""
+    return [r for family, pool in pools.items() for r in pool.requests(count, family=family, **options)]
 
 
 def perturbed_qwen_model(tokenizer, seed: int = 3):
@@ -55,15 +68,11 @@ def folder(tmp_path_factory, tokenizer):
     return write_qwen_model_folder(perturbed_qwen_model(tokenizer), tokenizer, tmp_path_factory.mktemp("qwen_task"))
 
 
-def collage(pages: list[np.ndarray]) -> np.ndarray:
-    """Four 64 px pages as one 128 px image (a 16 x 16 cell grid), uint8 [128, 128, 3]."""
-    return np.concatenate([np.concatenate(pages[:2], axis=1), np.concatenate(pages[2:4], axis=1)], axis=0)
-
-
-def task_messages(request, pool) -> tuple[list[dict], list[np.ndarray]]:
-    """``request.messages()`` with its second page replaced by a 128 px collage: pages of 64 and 128 px."""
-    images = [pool.pixels[page_id] for page_id in request.page_ids]
-    images[1] = collage([pool.pixels[(request.page_ids[1] + k) % len(pool.pages)] for k in range(4)])
+def task_messages(request, pools) -> tuple[list[dict], list[np.ndarray]]:
+    """``request.messages()`` (a ``lookup`` request) with its second page replaced by a sparse one:
+    pages of 64 and 128 px (8 x 8 and 16 x 16 cells)."""
+    images = [pools["lookup"].pixels[page_id] for page_id in request.page_ids]
+    images[1] = pools["fields"].pixels[request.page_ids[1]]
     return request.messages([Image.fromarray(image) for image in images]), images
 
 
@@ -103,19 +112,33 @@ def test_default_model_fits_the_budget_and_the_longest_requests(tokenizer):
     assert model.config.image_token_id == tokenizer.token_to_id(IMAGE_PAD)
 
 
-def test_tokenizer_agrees_with_transformers_and_keeps_task_words_whole(folder, tokenizer, pool):
+def expected_pieces(answer: str) -> list[str]:
+    """An answer's tokens: each tag or colour whole, each code one token per character ("▁" marks
+    a word after a space)."""
+    pieces = []
+    for index, word in enumerate(answer.split(" ")):
+        first = ("\u2581" if index else "") + word
+        pieces += [first] if word in TAGS or word in COLOURS else [first[: len(first) - len(word) + 1], *word[1:]]
+    return pieces
+
+
+def test_tokenizer_agrees_with_transformers_and_keeps_task_words_whole(folder, tokenizer, pools):
     hf = transformers.AutoTokenizer.from_pretrained(folder)
-    for request in pool.requests(8, max_followups=2):
-        text = qwen_prompt_text(request, request.answer) + qwen_followup_text(request.question) + request.answer + IM_END
-        ours = tokenizer.encode(text, add_special_tokens=False).ids
-        assert hf(text).input_ids == ours and hf(text, add_special_tokens=False).input_ids == ours
-        assert hf.decode(tokenizer.encode(request.answer, add_special_tokens=False).ids) == request.answer
+    for request in family_requests(pools, 4, max_followups=2):
+        text, spans = conversation_text(request, QWEN_FRAME)
+        ours = tokenizer.encode(text, add_special_tokens=False)
+        assert hf(text).input_ids == ours.ids and hf(text, add_special_tokens=False).input_ids == ours.ids
+        for (start, stop), question in zip(spans, request.questions):  # each answer: its words, then <|im_end|>
+            pieces = [token for token, (a, b) in zip(ours.tokens, ours.offsets) if a >= start and b <= stop]
+            answer = request.answer_to(question)
+            assert pieces == expected_pieces(answer) + [IM_END], (answer, pieces)
+            assert hf.decode(tokenizer.encode(answer, add_special_tokens=False).ids) == answer
     for word in qwen_task_words():  # after a special token, as in a prompt
         assert len(tokenizer.encode(IM_START + word, add_special_tokens=False).ids) == 2, word
     assert tokenizer.encode(IM_START + "\nK7Q 4ZB", add_special_tokens=False).tokens[2:] == ["K", "7", "Q", "\u25814", "Z", "B"]
 
 
-def test_prompt_text_equals_the_templates_rendering(folder, tokenizer, pool):
+def test_prompt_text_equals_the_templates_rendering(folder, tokenizer, pools):
     from conduit_rt.chat import ChatTemplate, build_prompt
     from conduit_rt.tokenizer import TextTokenizer
 
@@ -123,15 +146,19 @@ def test_prompt_text_equals_the_templates_rendering(folder, tokenizer, pool):
     text_tokenizer, template = TextTokenizer.from_hf_folder(folder)
     assert template == QWEN_CHAT_TEMPLATE
     image_pad = tokenizer.token_to_id(IMAGE_PAD)
-    for request in pool.requests(6):
+    for request in family_requests(pools, 2, max_followups=2):
         messages = request.messages()
         plain = [{"role": "user", "content": [
             {"type": part["type"], "text": part.get("text", "")} for part in messages[0]["content"]]}]
-        expected = qwen_prompt_text(request)
+        expected = prompt_text(request, frame=QWEN_FRAME)
         assert hf.apply_chat_template(plain, add_generation_prompt=True, tokenize=False) == expected
-        conversation = plain + [{"role": "assistant", "content": request.answer}, {"role": "user", "content": request.question}]
-        rendered = hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        assert rendered == qwen_prompt_text(request, request.answer) + qwen_followup_text(request.question)
+        conversation = list(plain)
+        for turn, question in enumerate(request.questions):
+            if turn:
+                conversation.append({"role": "user", "content": request.question_for(question)})
+            conversation.append({"role": "assistant", "content": request.answer_to(question)})
+        rendered = hf.apply_chat_template(conversation, tokenize=False)
+        assert rendered == conversation_text(request, QWEN_FRAME)[0] + "\n"  # the template ends every turn with a newline
         counts = [64 + 16 * position for position in range(request.num_pages)]  # any per-image counts
         prompt = build_prompt(messages, ChatTemplate(template), text_tokenizer, image_pad, counts)
         ids = np.asarray(tokenizer.encode(expected, add_special_tokens=False).ids)
@@ -143,7 +170,7 @@ def test_prompt_text_equals_the_templates_rendering(folder, tokenizer, pool):
 def prompt_inputs(tokenizer, request, images: list[np.ndarray]) -> dict[str, torch.Tensor]:
     """transformers inputs of the prompt: ``<|image_pad|>`` expanded to each image's merged tokens."""
     pixel_values, grid = patchify([torch.from_numpy(image) for image in images])
-    ids = np.asarray(tokenizer.encode(qwen_prompt_text(request), add_special_tokens=False).ids)
+    ids = np.asarray(tokenizer.encode(prompt_text(request, frame=QWEN_FRAME), add_special_tokens=False).ids)
     repeats = np.ones(len(ids), dtype=np.int64)
     repeats[ids == tokenizer.token_to_id(IMAGE_PAD)] = (grid.prod(-1) // 4).numpy()
     return {"input_ids": torch.from_numpy(np.repeat(ids, repeats))[None], "pixel_values": pixel_values,
@@ -152,12 +179,13 @@ def prompt_inputs(tokenizer, request, images: list[np.ndarray]) -> dict[str, tor
 
 @pytest.mark.parametrize("architecture", ["llava", "qwen2vl"])
 @torch.no_grad()
-def test_attention_log_probs_equal_eager_attention(tokenizer, pool, architecture):
+def test_attention_log_probs_equal_eager_attention(tokenizer, pools, architecture):
     """Every head of every layer, at every query of a right-padded batch of two requests (Qwen2-VL:
     pages of 64 and 128 px, M-RoPE positions from ``mrope_position_ids``)."""
     from conduit_rt.evaluation.task.attention_hint import attention_log_probs
     from conduit_rt.evaluation.task.tokenizer import build_tokenizer
 
+    pool = pools["lookup"]
     requests = pool.requests(2, min_pages=2, max_pages=3)
     if architecture == "llava":
         model = new_model(build_tokenizer(), MODEL_SIZES["tiny"], seed=1)
@@ -169,7 +197,7 @@ def test_attention_log_probs_equal_eager_attention(tokenizer, pool, architecture
         inputs = {"pixel_values": data.normalize_pixels(torch.from_numpy(pool.pixels[[i for r in requests for i in r.page_ids]]))}
     else:
         model = perturbed_qwen_model(tokenizer, seed=1)
-        per_request = [prompt_inputs(tokenizer, request, task_messages(request, pool)[1]) for request in requests]
+        per_request = [prompt_inputs(tokenizer, request, task_messages(request, pools)[1]) for request in requests]
         rows = [item["input_ids"][0] for item in per_request]
         inputs = {"pixel_values": torch.cat([item["pixel_values"] for item in per_request]),
                   "image_grid_thw": torch.cat([item["image_grid_thw"] for item in per_request])}
@@ -219,7 +247,7 @@ def assert_close_logits(ours: torch.Tensor, expected: torch.Tensor, rtol: float)
 
 
 @torch.no_grad()
-def test_runtime_on_the_folder_equals_transformers(folder, tokenizer, pool, tmp_path, monkeypatch):
+def test_runtime_on_the_folder_equals_transformers(folder, tokenizer, pools, tmp_path, monkeypatch):
     """``Runtime(folder)`` (converted on first use) on requests of 3 pages of 64 and 128 px: the
     prompt and M-RoPE positions, greedy tokens and logits equal transformers' in float32."""
     from conduit_rt import Runtime
@@ -229,8 +257,8 @@ def test_runtime_on_the_folder_equals_transformers(folder, tokenizer, pool, tmp_
     reference = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager").eval()
     runtime = Runtime(folder, device="cpu", kv_cache_bytes=16 << 20)
-    for request in pool.requests(2, min_pages=3, max_pages=3):
-        messages, images = task_messages(request, pool)
+    for request in pools["lookup"].requests(2, min_pages=3, max_pages=3):
+        messages, images = task_messages(request, pools)
         inputs = prompt_inputs(tokenizer, request, images)
         model = runtime.model
         prepared = [model.prepare_image(image) for image in images]
@@ -246,14 +274,14 @@ def test_runtime_on_the_folder_equals_transformers(folder, tokenizer, pool, tmp_
         assert_close_logits(result.logits, expected_logits[: result.logits.shape[0]], rtol=1e-4)
 
 
-def test_conduit_refresh_of_every_token_equals_a_cold_prefill(folder, pool, tmp_path, monkeypatch):
+def test_conduit_refresh_of_every_token_equals_a_cold_prefill(folder, pools, tmp_path, monkeypatch):
     """Pages cached by one request, restored at new M-RoPE positions under another prefix and order,
     then refreshed at budget 1.0: the logits of a cold prefill."""
     from conduit_rt import Runtime
 
     monkeypatch.setenv("CONDUIT_CACHE", str(tmp_path))
-    request = pool.requests(1, min_pages=3, max_pages=3)[0]
-    messages, images = task_messages(request, pool)
+    request = pools["lookup"].requests(1, min_pages=3, max_pages=3)[0]
+    messages, images = task_messages(request, pools)
 
     def fresh_runtime() -> Runtime:
         return Runtime(folder, device="cpu", kv_cache_bytes=16 << 20, prefix_cache_entries=0)

@@ -213,20 +213,6 @@ def build_qwen_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def qwen_prompt_text(request, answer: str | None = None) -> str:
-    """``QWEN_CHAT_TEMPLATE``'s rendering of ``request.messages()`` (a ``generator.Request``) with
-    the generation prompt, or of the conversation ending in ``answer<|im_end|>`` when given."""
-    pages = "".join(request.text_before_page(position) + QWEN_IMAGE_PART for position in range(request.num_pages))
-    text = f"{IM_START}user\n{pages}{request.question_text()}{IM_END}\n{IM_START}assistant\n"
-    return text if answer is None else f"{text}{answer}{IM_END}"
-
-
-def qwen_followup_text(question: str) -> str:
-    """What the template renders between an answer's ``<|im_end|>`` and the next answer: the newline,
-    the user turn asking ``question`` and the generation prompt."""
-    return f"\n{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n"
-
-
 def write_qwen_tokenizer_files(folder: Path, tokenizer: Tokenizer) -> None:
     """tokenizer.json, tokenizer_config.json (Qwen's special tokens, the chat template, no BOS),
     special_tokens_map.json and chat_template.json."""
