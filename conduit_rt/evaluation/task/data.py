@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from .families import family_layout, make_request
 from .generator import COLOURS, LAYOUTS, MAX_PAGES, TAGS, Page, Question, Request, page_for
 from .model_config import CLIP_MEAN, CLIP_STD
-from .tokenizer import BOS, EOS, IMAGE_TOKEN, PAD
+from .tokenizer import BOS, EOS, IM_END, IM_START, IMAGE_PAD, IMAGE_TOKEN, PAD, QWEN_IMAGE_PART, QWEN_PAD
 
 IGNORE_INDEX = -100
 FIELD_HINT_TOKENS = 3  # the question's last tokens (colour, "?", " ASSISTANT:") trained to look at the asked fields
@@ -114,6 +114,10 @@ class ChatFrame:
 
 LLAVA_FRAME = ChatFrame(start=f"{BOS}USER: ", image=IMAGE_TOKEN + "\n", prompt_end=" ASSISTANT:", answer_prefix=" ",
                         turn_end=EOS, next_turn="USER: ", image_token=IMAGE_TOKEN, pad_token=PAD)
+# tokenizer.QWEN_CHAT_TEMPLATE: answers follow the newline of the assistant turn, with no space
+QWEN_FRAME = ChatFrame(start=f"{IM_START}user\n", image=QWEN_IMAGE_PART, prompt_end=f"{IM_END}\n{IM_START}assistant\n",
+                       answer_prefix="", turn_end=IM_END, next_turn=f"\n{IM_START}user\n", image_token=IMAGE_PAD,
+                       pad_token=QWEN_PAD)
 
 
 def prompt_text(request: Request, answer: str | None = None, frame: ChatFrame = LLAVA_FRAME) -> str:
