@@ -28,7 +28,9 @@ from .evaluate import llava_image_inputs
 class TaskArchitecture:
     """What training and shipping need of one architecture.
 
-    ``image_inputs(pixels uint8 [n, S, S, 3], dtype)`` -> the model's image keyword arguments;
+    ``image_inputs(model, input_ids [B, T], pixels uint8 [n, S, S, 3], dtype, generate)`` -> the
+    model's image keyword arguments for a forward (``generate`` False; with the batch's positions
+    as ``position_ids`` when the model needs them) or for ``generate``;
     ``new_model(tokenizer, size_name, seed)`` -> a float32 model on the CPU;
     ``write_folder(model, tokenizer, folder)`` -> the Hugging Face folder (bfloat16 weights);
     ``load(folder, dtype)`` -> the model read back from it.
@@ -40,7 +42,7 @@ class TaskArchitecture:
     frame: ChatFrame
     build_tokenizer: Callable[[], Tokenizer]
     new_model: Callable[[Tokenizer, str, int], torch.nn.Module]
-    image_inputs: Callable[[torch.Tensor, torch.dtype], dict[str, torch.Tensor]]
+    image_inputs: Callable[..., dict[str, torch.Tensor]]
     write_folder: Callable[[torch.nn.Module, Tokenizer, Path], Path]
     load: Callable[[Path, torch.dtype], torch.nn.Module]
 
@@ -62,7 +64,42 @@ def _llava() -> TaskArchitecture:
     )
 
 
-ARCHITECTURES: dict[str, Callable[[], TaskArchitecture]] = {"llava": _llava}
+def _qwen2vl() -> TaskArchitecture:
+    from .data import QWEN_FRAME
+    from .families import FAMILIES
+    from .model_config import MODEL_SIZES
+    from .qwen_model import (batch_vision_attention, image_token_types, mrope_position_ids, new_qwen_model, patchify,
+                             write_qwen_model_folder)
+    from .tokenizer import build_qwen_tokenizer
+
+    def new_model(tokenizer: Tokenizer, size: str, seed: int) -> torch.nn.Module:
+        model = new_qwen_model(tokenizer, MODEL_SIZES[size], seed)
+        batch_vision_attention(model)
+        return model
+
+    def image_inputs(model, input_ids: torch.Tensor, pixels: torch.Tensor, dtype: torch.dtype,
+                     generate: bool = False) -> dict[str, torch.Tensor]:
+        pixel_values, grid = patchify(pixels)
+        inputs = {"pixel_values": pixel_values.to(dtype), "image_grid_thw": grid}
+        if generate:
+            inputs["mm_token_type_ids"] = image_token_types(model, input_ids)
+        else:
+            inputs["position_ids"] = mrope_position_ids(model, input_ids, grid)
+        return inputs
+
+    def load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        return Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=dtype)
+
+    return TaskArchitecture(
+        name="qwen2vl", families=tuple(FAMILIES), sizes=tuple(MODEL_SIZES), frame=QWEN_FRAME,
+        build_tokenizer=build_qwen_tokenizer, new_model=new_model, image_inputs=image_inputs,
+        write_folder=write_qwen_model_folder, load=load,
+    )
+
+
+ARCHITECTURES: dict[str, Callable[[], TaskArchitecture]] = {"llava": _llava, "qwen2vl": _qwen2vl}
 
 
 def architecture(name: str) -> TaskArchitecture:

@@ -110,6 +110,8 @@ class ChatFrame:
     next_turn: str
     image_token: str  # the placeholder in ``image`` that stands for one visual token (expanded per page)
     pad_token: str
+    hint_tokens: int = 3  # prompt tokens before each answer that the field hint trains: the question's
+    #                       last word, "?" and the tokens the frame puts between it and the answer
 
 
 LLAVA_FRAME = ChatFrame(start=f"{BOS}USER: ", image=IMAGE_TOKEN + "\n", prompt_end=" ASSISTANT:", answer_prefix=" ",
@@ -117,7 +119,7 @@ LLAVA_FRAME = ChatFrame(start=f"{BOS}USER: ", image=IMAGE_TOKEN + "\n", prompt_e
 # tokenizer.QWEN_CHAT_TEMPLATE: answers follow the newline of the assistant turn, with no space
 QWEN_FRAME = ChatFrame(start=f"{IM_START}user\n", image=QWEN_IMAGE_PART, prompt_end=f"{IM_END}\n{IM_START}assistant\n",
                        answer_prefix="", turn_end=IM_END, next_turn=f"\n{IM_START}user\n", image_token=IMAGE_PAD,
-                       pad_token=QWEN_PAD)
+                       pad_token=QWEN_PAD, hint_tokens=7)  # colour, "?", <|im_end|>, "\n", <|im_start|>, assistant, "\n"
 
 
 def prompt_text(request: Request, answer: str | None = None, frame: ChatFrame = LLAVA_FRAME) -> str:
@@ -209,7 +211,8 @@ def _probe_targets(request: Request, question: Question) -> tuple[int, int]:
     return IGNORE_INDEX, IGNORE_INDEX
 
 
-def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, image_token_id: int) -> dict[str, torch.Tensor]:
+def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, image_token_id: int,
+                         hint_tokens: int = FIELD_HINT_TOKENS) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids`` and ``labels`` [B, T] int64 (T a multiple of 64; labels are the
     answers' tokens and end of turn, -100 elsewhere) and ``page_ids`` [num_images] int64 in the order
     the images appear (row by row), as the models consume ``pixel_values``; ``image_tokens``
@@ -221,7 +224,7 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
     page or colour); for ``attention_hint.py``, per answer token before the end of turn,
     ``hint_rows``/``hint_positions`` (the token that predicts it) and ``hint_targets`` (the position
     of the cell it reads, ``Request.reads_of``) [num_answer_tokens]; per question turn and each of
-    its last ``FIELD_HINT_TOKENS`` prompt tokens, ``field_rows``/``field_positions``
+    its last ``hint_tokens`` prompt tokens, ``field_rows``/``field_positions``
     [num_field_queries], and for each cell the turn's answer needs (``Request.cells_of``)
     ``field_queries`` (index into the former) and ``field_targets`` (its position) [num_pairs]; all
     int64."""
@@ -248,7 +251,7 @@ def collate_for_training(encoded: Sequence[EncodedRequest], pad_token_id: int, i
             for offset, (position, cell) in enumerate(request.reads_of(question)):
                 hints.append((row, start + offset - 1, int(image_starts[position]) + cell))
             cells = [int(image_starts[position]) + cell for position, cell in request.cells_of(question)]
-            for position in range(start - FIELD_HINT_TOKENS, start):
+            for position in range(start - hint_tokens, start):
                 field_cells += [(len(field_queries), cell) for cell in cells]
                 field_queries.append((row, position))
     query_columns = torch.tensor(query, dtype=torch.int64).T
@@ -321,6 +324,7 @@ class TrainStream(torch.utils.data.IterableDataset):
             batches = [encoded[i : i + batch_size] for i in range(0, group, batch_size)]
             shuffle.shuffle(batches)
             for batch in batches:
-                collated = collate_for_training(batch, encoder.pad_token_id, encoder.image_token_id)
+                collated = collate_for_training(batch, encoder.pad_token_id, encoder.image_token_id,
+                                                self.frame.hint_tokens)
                 collated["family"] = torch.tensor(family_index, dtype=torch.int64)
                 yield collated

@@ -27,8 +27,10 @@ def pool_pixels(pool: PagePool, page_ids: Sequence[int], device: torch.device, d
     return normalize_pixels(pixels.to(device), dtype)
 
 
-def llava_image_inputs(pixels: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """LLaVA's image inputs of uint8 pages [n, S, S, 3]: ``pixel_values`` [n, 3, S, S] in ``dtype``."""
+def llava_image_inputs(model, input_ids: torch.Tensor, pixels: torch.Tensor, dtype: torch.dtype,
+                       generate: bool = False) -> dict[str, torch.Tensor]:
+    """LLaVA's image inputs of uint8 pages [n, S, S, 3]: ``pixel_values`` [n, 3, S, S] in ``dtype``
+    (the signature of ``architectures.TaskArchitecture.image_inputs``)."""
     return {"pixel_values": normalize_pixels(pixels, dtype)}
 
 
@@ -40,7 +42,7 @@ def greedy_answers(model, encoder: PromptEncoder, requests: Sequence[Request], p
 
     Batches are left-padded with an attention mask; ``pool_pixels_on_device`` (uint8
     [size, S, S, 3], optional) avoids copying pages to the device for every batch;
-    ``image_inputs(pixels [n, S, S, 3] uint8, dtype)`` gives the model's image keyword arguments.
+    ``image_inputs`` gives the model's image keyword arguments (``TaskArchitecture.image_inputs``).
     """
     device, dtype = model_device_dtype(model)
     answers: list[str] = []
@@ -58,8 +60,10 @@ def greedy_answers(model, encoder: PromptEncoder, requests: Sequence[Request], p
             pixels = pool_pixels_on_device[torch.tensor(page_ids, device=device)]
         else:
             pixels = torch.from_numpy(pool.pixels[np.asarray(page_ids, dtype=np.int64)]).to(device)
+        input_ids = input_ids.to(device)
         output = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **image_inputs(pixels, dtype),
+            input_ids=input_ids, attention_mask=attention_mask.to(device),
+            **image_inputs(model, input_ids, pixels, dtype, generate=True),
             max_new_tokens=MAX_ANSWER_TOKENS, do_sample=False, pad_token_id=encoder.pad_token_id,
             eos_token_id=encoder.eos_token_id,
         )

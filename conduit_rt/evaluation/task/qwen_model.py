@@ -94,6 +94,32 @@ def new_qwen_model(tokenizer: Tokenizer, size: ModelSize, seed: int = 0):
     return Qwen2VLForConditionalGeneration(config)
 
 
+def batch_vision_attention(model) -> None:
+    """Make the vision blocks of ``model`` run attention as one SDPA call over all images when they
+    have the same number of patches (transformers' SDPA path makes one call per image, hundreds per
+    training batch of small pages); mixed sizes take the per-image path. Same values; training only
+    (the saved folder is a plain model)."""
+    import types
+
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if bool((lengths != lengths[0]).any()):
+            return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings, **kwargs)
+        total = hidden_states.shape[0]
+        query, key, value = self.qkv(hidden_states).reshape(total, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        query, key = apply_rotary_pos_emb_vision(query, key, *position_embeddings)
+        images = lengths.numel()
+        query, key, value = (t.reshape(images, total // images, self.num_heads, -1).transpose(1, 2)
+                             for t in (query, key, value))  # [images, heads, patches, d]
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=self.scaling)
+        return self.proj(out.transpose(1, 2).reshape(total, -1))
+
+    for block in model.model.visual.blocks:
+        block.attn.forward = types.MethodType(forward, block.attn)
+
+
 def normalization_table(device: torch.device | str | None = None) -> torch.Tensor:
     """float32 [3, 256]: the processor's value for each channel and uint8 level, computed as it
     computes it (level x 1/255 in float64, then float32, then (x - mean) / std in float32)."""

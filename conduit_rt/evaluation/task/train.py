@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cpus = os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output folder (model/ and metrics.json)")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llava", help="the model's architecture")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2vl", help="the model's architecture")
     parser.add_argument("--families", default=None, help="task families trained and measured, comma-separated, "
                         f"from {', '.join(FAMILIES)} (default: every family the architecture takes)")
     parser.add_argument("--size", default="default", help="the architecture's size preset (default, small, tiny)")
@@ -220,7 +220,9 @@ def train(args: argparse.Namespace) -> dict:
             group["lr"] = learning_rate(step, progress, args)
         item = data[families[int(batch.pop("family"))]]
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-        image_inputs = arch.image_inputs(item.train_pixels[batch["page_ids"]], torch.float32)
+        image_inputs = arch.image_inputs(model, batch["input_ids"], item.train_pixels[batch["page_ids"]], torch.float32)
+        if "position_ids" in image_inputs:  # the attention hints rotate with the model's positions
+            batch["position_ids"] = image_inputs["position_ids"]
         with autocast:
             losses = training_losses(model, batch, image_inputs, probe if args.probe_weight > 0 else None,
                                      hint=args.hint_weight > 0, field=args.field_weight > 0)
