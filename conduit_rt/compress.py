@@ -10,6 +10,7 @@ and returns, per layer, the sorted slots to keep:
   pyramidkv     snapkv's scores with layer budgets falling linearly (bottom 2k - k/β, top k/β, β = 20)
   vlcache       layer budgets from each layer's post-vision attention density, then the tokens the
                 post-vision queries attend to most (text and visual in one ranking); P itself kept
+  vlcache_all   vlcache with P every text token from the first image on (beyond the paper)
 
 Budgets: round(α · m · L) tokens in all, apportioned over layers by largest remainder (equal weights
 unless the policy says otherwise). The attention statistics come from the native ``attention_stats``
@@ -18,6 +19,7 @@ kernel over the queries the prefill computed; no [n_q, m] matrix is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -119,10 +121,24 @@ def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
     return sorted(keep)
 
 
+class QueryRows(Protocol):
+    """The prompt positions a policy may take as its query rows P (``request.Request``)."""
+
+    def post_vision_positions(self) -> list[int]:
+        """The tokens after the last image (no image: the last 32)."""
+
+    def text_after_first_image(self) -> list[int]:
+        """Every text token from the first image on."""
+
+
 class CompressionPolicy:
     """Base: a named rule keeping, per layer, a budget of the prompt's slots."""
 
     name = ""
+
+    def query_rows(self, prompt: QueryRows) -> list[int]:
+        """The query rows P (``PromptStats.post_vision``), kept by the policies that read them."""
+        return prompt.post_vision_positions()
 
     def observed_positions(self, n_prompt: int, post_vision: list[int], options: CompressOptions) -> list[int]:
         """Prompt positions whose final q the prefill must keep for ``keep`` (sorted): P and the
@@ -210,8 +226,18 @@ class VLCache(CompressionPolicy):
         return top_slots(stats.post_vision_mass(layer), k, stats.post_vision)
 
 
+class VLCacheAll(VLCache):
+    """Beyond the paper: VL-Cache with P every text token from the first image on (the text between
+    images as well as the trailing segment) for the densities, the scores and the kept rows."""
+
+    name = "vlcache_all"
+
+    def query_rows(self, prompt):
+        return prompt.text_after_first_image()
+
+
 POLICIES: dict[str, CompressionPolicy] = {p.name: p for p in (KeepAll(), RandomKeep(), StreamingLLM(), H2O(), SnapKV(),
-                                                               PyramidKV(), VLCache())}
+                                                               PyramidKV(), VLCache(), VLCacheAll())}
 
 
 def get_policy(name: str) -> CompressionPolicy:

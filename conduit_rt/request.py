@@ -72,6 +72,18 @@ class Request:
         tail = self.prompt.segments[-1]
         return list(range(tail.start, n)) if isinstance(tail, TextRun) else [n - 1]
 
+    def text_after_first_image(self) -> list[int]:
+        """Every text token from the first image on: the template text between images and the
+        trailing segment (no image: VL-Cache's P, the last 32 tokens)."""
+        slots = sorted(self.prompt.image_slots, key=lambda slot: slot.start)
+        if not slots:
+            return self.post_vision_positions()
+        is_text = np.ones(self.n_tokens, dtype=bool)
+        for slot in slots:
+            is_text[slot.start: slot.start + slot.n_tokens] = False
+        is_text[: slots[0].start] = False
+        return np.flatnonzero(is_text).tolist()
+
 
 class RequestReader:
     """Turns messages into ``Request`` objects for one model, and gives their input embeddings.

@@ -216,9 +216,28 @@ class _Context:
         self.capture.store = {}  # images to store keep the KV of the text pass: the request first computed them there
         self.capture.begin_chunk(rows)
         out = self.run._pass(self.seq, embeds, self.run._batch(rows), self.capture)
-        self.run.stats.recomputed_token_layers = len(rows) * self.config.n_layers
+        self.run.stats.recomputed_token_layers += len(rows) * self.config.n_layers
         self.run.stats.prefill_flops += self.config.n_layers * _flops(self.config, rows)
         return self.last_logits(out)
+
+    def rescore(self) -> _PassScores:
+        """Scores over the KV as it is now, from the query rows' q and lse of the latest pass that
+        computed them; their FLOPs are charged now."""
+        scores = _PassScores(self.run, self.capture, self.tokens, self.options.layers)
+        scores.attention()
+        self.run.stats.prefill_flops += scores.flops
+        return scores
+
+    def first_layer_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every restored visual token through layer 0 (its layer-0 KV, a function of its embedding
+        alone, written again), then layer 1's pre-RoPE K and V of the output, not written:
+        [N, n_kv_heads, head_dim] each. Charged as N token-layers plus the K and V projection FLOPs."""
+        rows = self.tokens.slots.tolist()
+        x = self.run.model.forward_layer(0, self.seq, self.run.embed(rows), self.run._batch(rows))
+        c = self.config
+        self.run.stats.recomputed_token_layers += len(rows)
+        self.run.stats.prefill_flops += _flops(c, rows) + 2.0 * len(rows) * c.hidden * 2 * c.n_kv_heads * c.head_dim
+        return self.run.model.kv_projection(1, x)
 
     def embed(self, positions: list[int]) -> torch.Tensor:
         return self.run.embed(positions)

@@ -274,8 +274,9 @@ class Runtime:
         plan = self.planner.plan(request, refresh, options.refresh_options, held)
         with plan:  # releases the restored images; frees the sequence if the prefill fails
             observe = [] if compression is None else compression.observed_positions(
-                request.n_tokens, request.post_vision_positions(), options.compress_options)
-            queries = request.query_positions(options.refresh_options.query_tokens)
+                request.n_tokens, compression.query_rows(request), options.compress_options)
+            queries = (request.query_positions(options.refresh_options.query_tokens) if refresh is None
+                       else refresh.query_positions(request, options.refresh_options))
             reuse = self.planner.reuse_pass(request, plan, queries, observe)
             logits, capture = reuse.run(refresh, options.refresh_budget, options.refresh_options,
                                         options.trace_selection)
@@ -289,7 +290,7 @@ class Runtime:
         if compression is None:
             return None
         return compress_prompt(compression, options.keep, options.compress_options, prefilled.seq, self.model.config,
-                               prefilled.capture.queries, request.post_vision_positions(), prefilled.stats,
+                               prefilled.capture.queries, compression.query_rows(request), prefilled.stats,
                                options.trace_selection)
 
 

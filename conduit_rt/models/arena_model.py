@@ -95,6 +95,11 @@ class ArenaVisionLanguageModel(nn.Module):
         return self.language_model.forward_layer(layer, seq, x, batch, capture)
 
     @torch.no_grad()
+    def kv_projection(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K before RoPE and V of decoder layer ``layer`` from its input x [n, hidden], not written."""
+        return self.language_model.kv_projection(layer, x)
+
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.logits(hidden)
 

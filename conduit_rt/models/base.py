@@ -200,6 +200,10 @@ class VisionLanguageModel(Protocol):
     ) -> torch.Tensor:
         """One decoder layer (layer-wise recompute): x [n, hidden] -> [n, hidden]; writes that layer's KV."""
 
+    def kv_projection(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K before RoPE and V [n, n_kv_heads, head_dim] of decoder ``layer`` from its input x [n, hidden],
+        nothing written (a refresh policy's probe)."""
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> final norm + LM head, float32 [n, vocab]."""
 

@@ -302,6 +302,15 @@ class LlamaDecoder(nn.Module):
         x, delta = self.layers[index](index, seq, x, None, batch, tables, capture)
         return x + delta
 
+    def kv_projection(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K before RoPE and V that decoder layer ``index`` computes from its input x [n, hidden]
+        (the previous layer's output), nothing written: [n, n_kv_heads, head_dim] each."""
+        layer = self.layers[index]
+        h = layer.input_layernorm(x)
+        attn = layer.self_attn
+        shape = (x.shape[0], attn.n_kv_heads, attn.head_dim)
+        return attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers)."""
         return fused.linear(self.norm(hidden), self.lm_head.weight).float()

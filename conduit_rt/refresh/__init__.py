@@ -12,6 +12,8 @@ docs/methods.md §1 defines each one; ``conduit`` is the method, the others are 
   cacheblend  layer-wise: every token on layers 0-1, then the top tokens by ||dK|| + ||dV|| per layer,
               counts decaying linearly with mean = budget (its own recompute: ``cacheblend.py``)
   conduit     attention mass x value norm, layer mean, image-level amplification, one global top-k
+
+Beyond the papers (``beyond.py``): conduit_allq, conduit_rescore, conduit_deviation.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..errors import RequestError
 from .base import (  # noqa: F401
     FILL_MODES,
     LayerObserver,
+    PromptRows,
     RefreshContext,
     Refreshed,
     RefreshOptions,
@@ -26,11 +29,13 @@ from .base import (  # noqa: F401
     ScoreSource,
     VisualTokens,
 )
+from .beyond import ConduitAllQ, ConduitDeviation, ConduitRescore
 from .cacheblend import CacheBlend
 from .policies import Attention, Conduit, First, Full, NoRefresh, Random, amplify  # noqa: F401
 
 POLICIES: dict[str, RefreshPolicy] = {p.name: p for p in (Full(), NoRefresh(), First(), Random(), Attention(),
-                                                            CacheBlend(), Conduit())}
+                                                            CacheBlend(), Conduit(), ConduitAllQ(),
+                                                            ConduitRescore(), ConduitDeviation())}
 
 
 def get_policy(name: str) -> RefreshPolicy:

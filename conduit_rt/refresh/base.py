@@ -96,6 +96,16 @@ class LayerObserver(Protocol):
         """q [n, n_heads, head_dim] after RoPE; k_pre_rope, v [n, n_kv_heads, head_dim]; model dtype."""
 
 
+class PromptRows(Protocol):
+    """The prompt positions a policy may score with (``request.Request``)."""
+
+    def query_positions(self, query_tokens: int | None) -> list[int]:
+        """The trailing text segment, or the last ``query_tokens`` tokens (docs/methods.md §1 step 4)."""
+
+    def text_after_first_image(self) -> list[int]:
+        """Every text token from the first image on."""
+
+
 class RefreshContext(Protocol):
     """A request's state after its text pass, as a refresh policy sees it."""
 
@@ -156,6 +166,10 @@ class RefreshPolicy:
 
     name = ""
     uses_scores = False
+
+    def query_positions(self, prompt: PromptRows, options: RefreshOptions) -> list[int]:
+        """The prompt positions whose q the text pass keeps as the score's query rows Q."""
+        return prompt.query_positions(options.query_tokens)
 
     def refresh(self, context: RefreshContext) -> Refreshed:
         """Score -> select under the budget -> one recompute pass over the mixed KV."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..selection import apportion, top_k_indices
-from .base import RefreshPolicy
+from .base import RefreshOptions, RefreshPolicy, ScoreSource, VisualTokens
 
 
 def amplify(scores: torch.Tensor, image: torch.Tensor, n_images: int, lam: float) -> torch.Tensor:
@@ -87,6 +87,10 @@ class Conduit(RefreshPolicy):
     uses_scores = True
 
     def select(self, tokens, budget, scores, options):
-        per_token = (scores.attention() * scores.value_norms()).mean(0)  # s(t) = mean_l a_l(t) ||V_l(t)||
-        amplified = amplify(per_token, tokens.image, tokens.n_images, options.lam)
-        return top_k_indices(amplified, budget).cpu()
+        return top_k_indices(conduit_scores(tokens, scores, options), budget).cpu()
+
+
+def conduit_scores(tokens: VisualTokens, scores: ScoreSource, options: RefreshOptions) -> torch.Tensor:
+    """s'(t) of docs/methods.md §1 steps 5-6: float32 [N] on the scores' device."""
+    per_token = (scores.attention() * scores.value_norms()).mean(0)  # s(t) = mean_l a_l(t) ||V_l(t)||
+    return amplify(per_token, tokens.image, tokens.n_images, options.lam)
