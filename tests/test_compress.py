@@ -26,6 +26,9 @@ class Recording:
     def __init__(self, policy) -> None:
         self.policy, self.name = policy, policy.name
 
+    def query_rows(self, prompt):
+        return self.policy.query_rows(prompt)
+
     def observed_positions(self, n_prompt, post_vision, options):
         return self.policy.observed_positions(n_prompt, post_vision, options)
 
@@ -100,7 +103,7 @@ def reference_keep(rec: Recording) -> list[list[int]]:
             p, _ = probabilities(rec, layer, window)
             pooled = F.avg_pool1d(p.sum((0, 1))[None, None], o.pool_kernel, 1, o.pool_kernel // 2, count_include_pad=False)[0, 0]
             out.append(best(pooled, k, window))
-        elif rec.name == "vlcache":
+        elif rec.name in ("vlcache", "vlcache_all"):  # vlcache_all: P every text token from the first image on
             densities = []
             for i in range(n_layers):
                 p, visible = probabilities(rec, i, rec.post_vision)

@@ -134,17 +134,23 @@ def test_every_policy_refreshes_exactly_its_budget(model_dir, warm, policy, rati
         assert stats.recomputed_token_layers >= max(min(2, n_layers) * n_vis, expected * n_layers)
 
 
+def snapshot(context) -> dict:
+    """What a reference needs to redo a selection from a refresh context's state now: the query rows'
+    q per chosen layer, every layer's KV and the slots' positions."""
+    config, seq = context.config, context.seq
+    layers = context.options.layers or range(config.n_layers)
+    return dict(tokens=context.tokens, budget=context.budget, options=context.options,
+                query_positions=context.queries(layers[0])[1],
+                q={layer: context.queries(layer)[0].clone() for layer in layers},
+                kv=[seq.read_kv(layer) for layer in range(config.n_layers)],
+                positions=seq.positions(0).clone(), n_heads=config.n_heads, scale=config.attention_scale)
+
+
 class RecordingConduit(Conduit):
     """The conduit policy, keeping what it saw so that a reference can redo the selection."""
 
     def refresh(self, context):
-        config, seq = context.config, context.seq
-        layers = context.options.layers or range(config.n_layers)
-        self.seen = dict(tokens=context.tokens, budget=context.budget, options=context.options,
-                         query_positions=context.queries(layers[0])[1],
-                         q={layer: context.queries(layer)[0].clone() for layer in layers},
-                         kv=[seq.read_kv(layer) for layer in range(config.n_layers)],
-                         positions=seq.positions(0).clone(), n_heads=config.n_heads, scale=config.attention_scale)
+        self.seen = snapshot(context)
         return super().refresh(context)
 
     def select(self, tokens, budget, scores, options):
@@ -155,6 +161,12 @@ class RecordingConduit(Conduit):
 def reference_selection(seen) -> torch.Tensor:
     """docs/methods.md §1 steps 5-7 in plain torch: full softmax over every visible key, value norms,
     layer mean, image amplification, one global top-k."""
+    return torch.sort(torch.topk(reference_scores(seen), seen["budget"]).indices).values
+
+
+def reference_scores(seen, values=None) -> torch.Tensor:
+    """s'(t) of docs/methods.md §1 steps 5-6 (float64 [N]) from what a recorder saw; ``values``: the
+    sequence's V per layer to take the value norms from (default: the V ``seen`` holds)."""
     tokens, positions = seen["tokens"], seen["positions"].long()
     q_pos = torch.tensor(seen["query_positions"])
     per_layer = []
@@ -167,6 +179,8 @@ def reference_selection(seen) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q, keys) * seen["scale"]
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
         attention = torch.softmax(scores, dim=-1).sum(dim=(0, 1)) / (q.shape[0] * seen["n_heads"])  # [n]
+        if values is not None:
+            v = values[layer].double().cpu()
         value_norm = v.flatten(1).norm(dim=1)                            # [n]
         per_layer.append((attention * value_norm)[tokens.slots])
     s = torch.stack(per_layer).mean(0)
@@ -174,7 +188,7 @@ def reference_selection(seen) -> torch.Tensor:
         m = torch.stack([s[tokens.image == j].clamp(min=0).mean() for j in range(tokens.n_images)])
         c = 1 + seen["options"].lam * (m / m.mean() - 1)
         s = c[tokens.image] * s
-    return torch.sort(torch.topk(s, seen["budget"]).indices).values
+    return s
 
 
 @pytest.mark.parametrize("n_images,lam,layers", [(1, 1.0, None), (3, 1.0, None), (3, 2.5, None), (3, 1.0, (1,))])
