@@ -312,7 +312,7 @@ def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
     session.close()
 
 
-@pytest.mark.parametrize("policy", ["conduit", "cacheblend"])
+@pytest.mark.parametrize("policy", ["conduit", "cacheblend", "conduit_allq", "conduit_rescore", "conduit_deviation"])
 def test_refreshing_every_restored_image_token_equals_a_cold_prefill(checkpoint, policy, device):
     """CONDUIT on M-RoPE: cached images restored at new (t, h, w) positions, then fully refreshed.
     fp32 on the CPU matches to rounding; bf16 on CUDA to bf16's precision (batch shapes differ)."""
