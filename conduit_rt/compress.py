@@ -10,7 +10,7 @@ and returns, per layer, the sorted slots to keep:
   pyramidkv     snapkv's scores with layer budgets falling linearly (bottom 2k - k/β, top k/β, β = 20)
   vlcache       layer budgets from each layer's post-vision attention density, then the tokens the
                 post-vision queries attend to most (text and visual in one ranking); P itself kept
-  vlcache_all   vlcache with P every text token from the first image on (beyond the paper)
+  vlcache_all   vlcache scored with every text token from the first image on; P itself kept (beyond the paper)
 
 Budgets: round(α · m · L) tokens in all, apportioned over layers by largest remainder (equal weights
 unless the policy says otherwise). The attention statistics come from the native ``attention_stats``
@@ -227,13 +227,26 @@ class VLCache(CompressionPolicy):
 
 
 class VLCacheAll(VLCache):
-    """Beyond the paper: VL-Cache with P every text token from the first image on (the text between
-    images as well as the trailing segment) for the densities, the scores and the kept rows."""
+    """Beyond the paper: VL-Cache's densities and scores with P every text token from the first image
+    on (the text between images as well as the trailing segment); the rows always kept stay the
+    tokens after the last image, the trailing run of P."""
 
     name = "vlcache_all"
 
     def query_rows(self, prompt):
         return prompt.text_after_first_image()
+
+    def select(self, stats, layer, k):
+        return top_slots(stats.post_vision_mass(layer), k, trailing_run(stats.post_vision))
+
+
+def trailing_run(positions: list[int]) -> list[int]:
+    """The last run of consecutive positions of a sorted list (the tokens after the last image, when
+    ``positions`` are the text tokens from the first image on)."""
+    start = len(positions)
+    while start > 0 and (start == len(positions) or positions[start - 1] == positions[start] - 1):
+        start -= 1
+    return positions[start:]
 
 
 POLICIES: dict[str, CompressionPolicy] = {p.name: p for p in (KeepAll(), RandomKeep(), StreamingLLM(), H2O(), SnapKV(),

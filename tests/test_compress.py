@@ -27,6 +27,7 @@ class Recording:
         self.policy, self.name = policy, policy.name
 
     def query_rows(self, prompt):
+        self.after_last_image = prompt.post_vision_positions()  # VL-Cache's P, whatever rows the policy reads
         return self.policy.query_rows(prompt)
 
     def observed_positions(self, n_prompt, post_vision, options):
@@ -103,7 +104,7 @@ def reference_keep(rec: Recording) -> list[list[int]]:
             p, _ = probabilities(rec, layer, window)
             pooled = F.avg_pool1d(p.sum((0, 1))[None, None], o.pool_kernel, 1, o.pool_kernel // 2, count_include_pad=False)[0, 0]
             out.append(best(pooled, k, window))
-        elif rec.name in ("vlcache", "vlcache_all"):  # vlcache_all: P every text token from the first image on
+        elif rec.name in ("vlcache", "vlcache_all"):  # vlcache_all: scored by every text token from the first image on
             densities = []
             for i in range(n_layers):
                 p, visible = probabilities(rec, i, rec.post_vision)
@@ -112,7 +113,8 @@ def reference_keep(rec: Recording) -> list[list[int]]:
             betas = [min(1.0, max(o.min_layer_ratio, d / sum(densities) * rec.ratio * n_layers)) for d in densities]
             k = largest_remainder(betas, total, m)[layer]
             p, _ = probabilities(rec, layer, rec.post_vision)
-            out.append(best(p.sum((0, 1)), k, rec.post_vision))
+            kept_rows = rec.post_vision if rec.name == "vlcache" else rec.after_last_image
+            out.append(best(p.sum((0, 1)), k, kept_rows))
     return out
 
 
