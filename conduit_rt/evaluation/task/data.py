@@ -290,7 +290,7 @@ class TrainStream(torch.utils.data.IterableDataset):
     padding.
 
     ``pools``: family -> the pages its requests draw from (``families.FAMILIES``). Worker rounds
-    take the families in turn; a round draws ``bucket`` batches of one family
+    take the families in turn, ``weights[family]`` rounds each (default 1); a round draws ``bucket`` batches of one family
     (``batch_size_for`` requests each), sorts them by length and yields them in random order, each
     with ``family`` (int64 scalar: the index of its family in ``pools``). ``progress`` (a shared
     ``multiprocessing.Value``, 0..1) drives the page-count curriculum.
@@ -298,8 +298,10 @@ class TrainStream(torch.utils.data.IterableDataset):
 
     def __init__(self, pools: dict[str, Sequence[Page]], seed: int, tokenizer: Tokenizer, batch_size: int,
                  progress, curriculum_fraction: float = 0.2, bucket: int = 8, max_pages: int = MAX_PAGES,
-                 max_followups: int = 0, frame: ChatFrame = LLAVA_FRAME) -> None:
+                 max_followups: int = 0, frame: ChatFrame = LLAVA_FRAME, weights: dict[str, int] | None = None) -> None:
         self.pools = {family: tuple(pages) for family, pages in pools.items()}
+        weights = weights or {}
+        self.schedule = [family for family in self.pools for _ in range(max(1, weights.get(family, 1)))]
         self.seed, self.tokenizer, self.frame = seed, tokenizer, frame
         self.batch_size, self.progress, self.bucket = batch_size, progress, bucket
         self.curriculum_fraction, self.max_pages, self.max_followups = curriculum_fraction, max_pages, max_followups
@@ -311,7 +313,7 @@ class TrainStream(torch.utils.data.IterableDataset):
         shuffle = random.Random(f"quality-stream:{self.seed}:{worker}")
         families = list(self.pools)
         for round_index in range(worker, 1 << 40, num_workers):
-            family_index = round_index % len(families)
+            family_index = families.index(self.schedule[round_index % len(self.schedule)])
             pages = self.pools[families[family_index]]
             batch_size = batch_size_for(pages, self.batch_size)
             group = self.bucket * batch_size

@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2vl", help="the model's architecture")
     parser.add_argument("--families", default=None, help="task families trained and measured, comma-separated, "
                         f"from {', '.join(FAMILIES)} (default: every family the architecture takes)")
+    parser.add_argument("--family-weights", default="where=3,describe=2",
+                        help="training batches per family per round, name=count, comma-separated (others: 1); the "
+                             "families that need reading across pages or whole pages get more")
     parser.add_argument("--size", default="default", help="the architecture's size preset (default, small, tiny)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget of the whole run")
     parser.add_argument("--max-steps", type=int, default=100_000)
@@ -162,6 +165,15 @@ def evaluate(model, arch: TaskArchitecture, encoder, data: dict[str, FamilyData]
     return scores
 
 
+def family_weights(text: str) -> dict[str, int]:
+    """"where=3,describe=2" -> {"where": 3, "describe": 2}."""
+    weights = {}
+    for item in filter(None, text.split(",")):
+        name, _, count = item.partition("=")
+        weights[name.strip()] = int(count)
+    return weights
+
+
 def train_families(args: argparse.Namespace, arch: TaskArchitecture) -> list[str]:
     families = arch.families if args.families is None else [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in arch.families]
@@ -196,7 +208,7 @@ def train(args: argparse.Namespace) -> dict:
     progress_value = multiprocessing.Value("d", 0.0)
     stream = TrainStream({family: data[family].train.pages for family in families}, args.seed, tokenizer,
                          args.batch_size, progress_value, args.curriculum, max_pages=args.max_pages,
-                         max_followups=args.followups, frame=arch.frame)
+                         max_followups=args.followups, frame=arch.frame, weights=family_weights(args.family_weights))
     loader = torch.utils.data.DataLoader(
         stream, batch_size=None, num_workers=args.workers, pin_memory=device.startswith("cuda"),
         prefetch_factor=8 if args.workers else None, persistent_workers=bool(args.workers),
