@@ -1,6 +1,6 @@
 """`conduit demo`: the bundled model reads rendered pages, then reads them again under a changed prefix.
 
-The model is the small LLaVA-architecture model trained on the quality task (``evaluation/task/``),
+The model is the small Qwen2-VL-architecture model (M-RoPE) trained on the quality task (``evaluation/task/``),
 shipped in the package (``conduit_rt/data/quality_model``, a Hugging Face folder converted to GGUF on
 first use and cached): pages of coloured codes, each page named by a tag written before it, questions
 like "elk purple?" answered with the code. For each of a few test requests (``--requests``) the demo

@@ -33,7 +33,8 @@ with atheris.instrument_imports(include=["conduit_rt"]):
 
 TOKENIZER, TEMPLATE_SOURCE = TextTokenizer.from_hf_folder(BUNDLED_MODEL)
 TEMPLATE = ChatTemplate(TEMPLATE_SOURCE)
-IMAGE_TOKEN_ID = json.loads((BUNDLED_MODEL / "config.json").read_text())["image_token_index"]
+_CONFIG = json.loads((BUNDLED_MODEL / "config.json").read_text())
+IMAGE_TOKEN_ID = _CONFIG.get("image_token_id", _CONFIG.get("image_token_index"))  # Qwen2-VL's name, LLaVA's
 TOKENS_PER_IMAGE = 3
 ROLES = ("user", "assistant", "system", "tool", "", "USER")
 PIXEL = Image.new("RGB", (1, 1))

@@ -1,12 +1,14 @@
 """Train the task model from scratch and ship it as a Hugging Face folder (Qwen2-VL or LLaVA).
 
-    python -m conduit_rt.evaluation.task.train --out runs/quality --minutes 6.4 --stale-requests 64   # GPU: the shipped model
+    python -m conduit_rt.evaluation.task.train --out runs/quality --families lookup,fields --minutes 6.2 \
+        --train-pages 20000 --eval-pages 2000 --stale-requests 0          # GPU: the shipped model
     python -m conduit_rt.evaluation.task.train --out /tmp/q --tiny           # CPU smoke run, seconds
 
-Plain PyTorch: ``LlavaForConditionalGeneration`` in float32 with bfloat16 autocast on CUDA, AdamW,
+Plain PyTorch: the architecture's transformers model (``architectures.py``: Qwen2-VL by default,
+LLaVA-1.5) in float32 with bfloat16 autocast on CUDA, AdamW,
 linear warmup then cosine decay over the time budget, loss on the answer tokens (and EOS) only,
-length-bucketed batches of 1-8 pages (a short page-count curriculum first). Pages are rendered once
-into a pool kept on the device; DataLoader workers only tokenize. ``--minutes`` is the wall-clock
+length-bucketed batches of 1-8 pages (a short page-count curriculum first), one task family per
+batch, the families in turn. Pages are rendered once into a pool per page layout kept on the device; DataLoader workers only tokenize. ``--minutes`` is the wall-clock
 budget of the whole run; training stops early enough to leave room for the final evaluation.
 Writes ``<out>/model`` (bfloat16 safetensors + tokenizer + processor files) and
 ``<out>/metrics.json``, and prints the metrics as the last line (JSON).
@@ -49,9 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2vl", help="the model's architecture")
     parser.add_argument("--families", default=None, help="task families trained and measured, comma-separated, "
                         f"from {', '.join(FAMILIES)} (default: every family the architecture takes)")
-    parser.add_argument("--family-weights", default="where=3,describe=2",
-                        help="training batches per family per round, name=count, comma-separated (others: 1); the "
-                             "families that need reading across pages or whole pages get more")
+    parser.add_argument("--family-weights", default="",
+                        help="training rounds per family in each cycle, name=count, comma-separated (default: 1 each)")
     parser.add_argument("--size", default="default", help="the architecture's size preset (default, small, tiny)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget of the whole run")
     parser.add_argument("--max-steps", type=int, default=100_000)
