@@ -81,8 +81,14 @@ class GGUFModelFile:
         return self._get(name).tensor_type.name
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A fresh tensor (a copy, never a view of the mapped file), shape ``self.shape(name)``."""
-        return self._decode(self._get(name)).to(device=device, dtype=dtype)
+        """A fresh tensor (a copy, never a view of the mapped file), shape ``self.shape(name)``.
+        ModelFormatError naming the file and the tensor when it holds a NaN or an infinity: no
+        healthy checkpoint does, and such a model would only ever answer with non-finite logits."""
+        values = self._decode(self._get(name))
+        if not bool(torch.isfinite(values).all()):
+            raise ModelFormatError(f"{self.path}: tensor {name} holds NaN or infinite values: the file is corrupted; "
+                                   "convert the checkpoint again")
+        return values.to(device=device, dtype=dtype)
 
     def state_dict(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Every tensor by GGUF name (see ``tensor``)."""

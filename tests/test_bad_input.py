@@ -409,9 +409,19 @@ def test_an_exif_rotated_jpeg_is_used_upright(runtime, orientation):
 
 
 # -- weights that give NaN or infinite logits ---------------------------------------------------------------
-def test_nan_logits_raise_an_error_naming_the_model_file(models):
+def test_weights_with_nan_are_refused_at_load_naming_the_file_and_tensor(models):
     path = models.bad / "nan" / "model.gguf"
+    with pytest.raises(ModelFormatError, match=re.escape(str(path)) + ".*output_norm.weight.*NaN or infinite"):
+        Runtime(path, device="cpu", kv_cache_bytes=1 << 20)
+
+
+def test_nan_logits_raise_an_error_naming_the_model_file(models):
+    """Weights that turn non-finite after loading (the load check cannot see them) still never give
+    an empty answer: the step's logits are checked."""
+    path = models.model
     broken = Runtime(path, device="cpu", kv_cache_bytes=1 << 20)
+    with torch.no_grad():
+        broken.model.language_model.norm.weight.fill_(float("nan"))
     for max_tokens in (4, 0):  # 0: the prompt's logits are checked without sampling
         with pytest.raises(NonFiniteLogitsError, match=re.escape(str(path))):
             broken.generate(NORMAL, max_tokens=max_tokens)
@@ -431,12 +441,9 @@ def test_an_infinite_embedding_met_while_decoding_stops_the_answer_there(runtime
     k = next(i for i, t in enumerate(healthy.tokens) if t not in prompt_ids and t not in healthy.tokens[:i])
     token = healthy.tokens[k]
 
-    def poison(weights: torch.Tensor) -> None:
-        weights[token] = float("inf")
-
-    embeddings = "language_model.model.embed_tokens.weight"
-    out = corrupted_copy(models.llava_hf, models.bad / f"inf_{token}", embeddings, poison)
-    broken = Runtime(out / "model.gguf", device="cpu", kv_cache_bytes=1 << 20)
+    broken = Runtime(models.model, device="cpu", kv_cache_bytes=1 << 20)
+    with torch.no_grad():  # after loading: the load check refuses such a file
+        broken.model.language_model.embed_tokens.weight[token] = float("inf")
     stream = broken.stream(prompt, max_tokens=N_NEW)
     pieces = []
     with pytest.raises(NonFiniteLogitsError, match=f"after {len(prompt_ids) + k + 1} tokens"):

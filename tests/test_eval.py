@@ -63,7 +63,7 @@ def test_eval_command_writes_the_table_and_full_refresh_matches_the_reference(ta
     hf_dir, _ = task_model
     out = tmp_path / "eval"
     status = conduit_main(["eval", "--model", str(hf_dir), "--device", "cpu", "--n", "4", "--max-pages", "3",
-                           "--pool-pages", "40", "--seed", str(SEED), "--refresh-policies", "full,none,conduit",
+                           "--pool-pages", "40", "--seed", str(SEED), "--families", "lookup", "--refresh-policies", "full,none,conduit",
                            "--budgets", "0,0.1", "--compress-policies", "none,vlcache", "--keeps", "0.1",
                            "--out", str(out), "-q"])
     assert status == 0
@@ -74,7 +74,7 @@ def test_eval_command_writes_the_table_and_full_refresh_matches_the_reference(ta
                          "compress:none@1", "compress:vlcache@0.1", "refresh:conduit@0.1+compress:vlcache@0.1"}
     assert results["n_requests"] == 4 and all(row["n"] == 4 for row in rows.values())
     assert {"full_accuracy", "none_gap_points", "tells_policies_apart"} <= set(results["checks"])
-    for row in rows.values():  # 95% intervals around every accuracy; every request is of the default family
+    for row in rows.values():  # 95% intervals around every accuracy; every request is of the one family asked
         assert row["accuracy_ci"][0] <= row["accuracy"] <= row["accuracy_ci"][1]
         assert set(row["families"]) == {"lookup"} and row["families"]["lookup"]["n"] == 4
     assert results["comparisons"] == []  # no baseline among full, none and conduit, nor among none and vlcache

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--eval-pages: the same seed and size give the same test requests as its metrics)")
     parser.add_argument("--min-pages", type=positive_int, default=1, help="fewest pages in a request (default: %(default)s)")
     parser.add_argument("--max-pages", type=positive_int, default=8, help="most pages in a request (default: %(default)s)")
-    parser.add_argument("--families", type=names_from(FAMILY_NAMES), default=["lookup"], metavar="F,F,...",
+    parser.add_argument("--families", type=names_from(FAMILY_NAMES), default=["lookup", "fields"], metavar="F,F,...",
                         help="task families, comma-separated, from " + ", ".join(FAMILY_NAMES) +
                              " (request i is of family i mod their count; default: %(default)s)")
     parser.add_argument("--seen", choices=("sessions", "retagged", "isolated"), default="sessions",
