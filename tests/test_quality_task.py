@@ -326,13 +326,25 @@ def test_field_hint_targets_the_asked_fields_and_matches_the_layers_attention(to
 def test_tiny_training_run_saves_a_loadable_folder(tmp_path):
     from conduit_rt.evaluation.task.train import main
 
-    main(["--out", str(tmp_path), "--tiny", "--stale-requests", "0"])
+    main(["--out", str(tmp_path), "--tiny", "--arch", "llava", "--stale-requests", "0"])
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 3 and 0 <= metrics["test_exact_match"] <= 1
     folder = tmp_path / "model"
     model = transformers.LlavaForConditionalGeneration.from_pretrained(folder)
     assert model.dtype == torch.bfloat16 and model.config.image_seq_length == NUM_IMAGE_TOKENS
     assert type(transformers.AutoProcessor.from_pretrained(folder)).__name__ == "LlavaProcessor"
+
+
+def test_tiny_qwen2vl_training_run_measures_every_family_and_saves_a_loadable_folder(tmp_path):
+    from conduit_rt.evaluation.task.families import FAMILIES
+    from conduit_rt.evaluation.task.train import main
+
+    main(["--out", str(tmp_path), "--tiny", "--arch", "qwen2vl"])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["arch"] == "qwen2vl" and set(metrics["by_family"]) == set(FAMILIES)
+    assert metrics["test_exact_match"] == min(f["test_exact_match"] for f in metrics["by_family"].values())
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "model")
+    assert model.dtype == torch.bfloat16 and model.config.vision_config.patch_size == 4
 
 
 def full_last_logits(model, encoder, request, pool):
