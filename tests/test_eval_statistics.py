@@ -279,3 +279,20 @@ def test_report_shows_intervals_families_and_comparisons():
     old = {**results, "rows": [{k: v for k, v in row.items() if "ci" not in k and "famil" not in k} for row in rows]}
     del old["comparisons"]
     assert "### Paired comparisons" not in tables_markdown(old)  # results without statistics still render
+
+
+def test_policies_beyond_the_papers_are_set_against_the_method_and_never_count_as_baselines():
+    settings = build_settings(["none", "attention", "conduit", "conduit_rescore"], [0.1], ["snapkv", "vlcache", "vlcache_all"],
+                              [0.1], together=None)
+    rates = {REFERENCE_KEY: 0.95, "refresh:none@0": 0.2, "refresh:attention@0.1": 0.5, "refresh:conduit@0.1": 0.6,
+             "refresh:conduit_rescore@0.1": 0.9, "compress:snapkv@0.1": 0.4, "compress:vlcache@0.1": 0.45,
+             "compress:vlcache_all@0.1": 0.7}
+    scores = planted_scores(settings, rates)
+    found = [(c["a"], c["b"], c["label"]) for c in paired_comparisons(settings, scores)]
+    assert found == [  # the most accurate rows are the new policies, yet the best baselines are the papers'
+        ("refresh:conduit@0.1", "refresh:attention@0.1", "conduit vs attention"),
+        ("refresh:conduit@0.1", "refresh:attention@0.1", "conduit vs best baseline (attention)"),
+        ("refresh:conduit_rescore@0.1", "refresh:conduit@0.1", "conduit_rescore vs conduit"),
+        ("compress:vlcache@0.1", "compress:snapkv@0.1", "vlcache vs best baseline (snapkv)"),
+        ("compress:vlcache_all@0.1", "compress:vlcache@0.1", "vlcache_all vs vlcache"),
+    ]

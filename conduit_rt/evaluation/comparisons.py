@@ -1,8 +1,9 @@
 """The paired comparisons of the quality report: which settings are set against which.
 
-At every refresh budget measured, CONDUIT against ``attention`` (the same selection without the KV
-deviation) and against the best other refresh baseline; at every keep ratio measured, VL-Cache
-against the best other compression policy. "Best" is the baseline with the highest accuracy at that
+At every refresh budget measured, CONDUIT against ``attention`` (CONDUIT's score without value
+norms and image amplification, docs/methods.md §1) and against the best other refresh baseline; at
+every keep ratio measured, VL-Cache against the best other compression policy; and each policy
+beyond the papers (``BEYOND``) against the method of its family. "Best" is the baseline with the highest accuracy at that
 budget or keep ratio on these requests (ties: the first measured); ``full`` and
 ``none`` are not baselines (they bound every policy from above and below), nor is compression
 ``none`` (the whole cache). Choosing the best on the same requests favours the baseline, so a
@@ -21,8 +22,11 @@ from .replay import Setting
 from .statistics import paired_difference
 
 REFRESH_METHOD, COMPRESS_METHOD = "conduit", "vlcache"
-REFRESH_RIVAL = "attention"  # the method's own ablation: attention selection without the KV deviation
-NOT_BASELINES = {"refresh": {"full", "none", REFRESH_METHOD}, "compress": {"none", COMPRESS_METHOD}}
+REFRESH_RIVAL = "attention"  # the method's own ablation: its score without value norms and amplification
+# the policies beyond the papers (docs/methods.md): compared with the method, never its baselines
+BEYOND = {"refresh": {"conduit_allq", "conduit_rescore", "conduit_deviation"}, "compress": {"vlcache_all"}}
+NOT_BASELINES = {"refresh": {"full", "none", REFRESH_METHOD, *BEYOND["refresh"]},
+                 "compress": {"none", COMPRESS_METHOD, *BEYOND["compress"]}}
 
 
 def _level(setting: Setting) -> float:
@@ -69,4 +73,6 @@ def paired_comparisons(settings: Sequence[Setting], scores: dict[str, SettingSco
             best = best_baseline(baselines, scores)
             if best is not None:
                 out.append(compare(f"{method} vs best baseline ({_policy(best)})", kind, level, ours, best, scores))
+            for challenger in (s for s in at_level if _policy(s) in BEYOND[kind]):
+                out.append(compare(f"{_policy(challenger)} vs {method}", kind, level, challenger, ours, scores))
     return [entry for entry in out if entry is not None]
