@@ -339,7 +339,7 @@ def test_tiny_qwen2vl_training_run_measures_every_family_and_saves_a_loadable_fo
     from conduit_rt.evaluation.task.families import FAMILIES
     from conduit_rt.evaluation.task.train import main
 
-    main(["--out", str(tmp_path), "--tiny", "--arch", "qwen2vl"])
+    main(["--out", str(tmp_path), "--tiny", "--arch", "qwen2vl", "--families", ",".join(FAMILIES)])
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["arch"] == "qwen2vl" and set(metrics["by_family"]) == set(FAMILIES)
     assert metrics["test_exact_match"] == min(f["test_exact_match"] for f in metrics["by_family"].values())

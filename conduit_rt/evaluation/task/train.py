@@ -1,6 +1,6 @@
 """Train the task model from scratch and ship it as a Hugging Face folder (Qwen2-VL or LLaVA).
 
-    python -m conduit_rt.evaluation.task.train --out runs/quality --families lookup,fields --minutes 6.2 \
+    python -m conduit_rt.evaluation.task.train --out runs/quality --minutes 6.2 \
         --train-pages 20000 --eval-pages 2000 --stale-requests 0          # GPU: the shipped model
     python -m conduit_rt.evaluation.task.train --out /tmp/q --tiny           # CPU smoke run, seconds
 
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output folder (model/ and metrics.json)")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2vl", help="the model's architecture")
     parser.add_argument("--families", default=None, help="task families trained and measured, comma-separated, "
-                        f"from {', '.join(FAMILIES)} (default: every family the architecture takes)")
+                        f"from {', '.join(FAMILIES)} (default: those of the shipped model, lookup and fields; LLaVA: lookup)")
     parser.add_argument("--family-weights", default="",
                         help="training rounds per family in each cycle, name=count, comma-separated (default: 1 each)")
     parser.add_argument("--size", default="default", help="the architecture's size preset (default, small, tiny)")
@@ -176,7 +176,7 @@ def family_weights(text: str) -> dict[str, int]:
 
 
 def train_families(args: argparse.Namespace, arch: TaskArchitecture) -> list[str]:
-    families = arch.families if args.families is None else [f for f in args.families.split(",") if f]
+    families = arch.trained_families if args.families is None else [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in arch.families]
     if unknown:
         raise SystemExit(f"the {arch.name} task model cannot take the {', '.join(unknown)} family pages")
