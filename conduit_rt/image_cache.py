@@ -10,7 +10,10 @@ one by the encoded file an image came in:
 - ``ImageKVStore``: pre-RoPE K and V of an image's tokens for every decoder layer, in the native
   arena's image store (LRU under ``image_cache_bytes``, entries in use never evicted), plus the
   per-layer value norms of each entry, computed once when the entry is stored (CONDUIT's scores
-  weight attention by them).
+  weight attention by them). With a ``disk_cache.DiskImageStore`` (``Runtime(cache_dir=...)``),
+  every entry stored is also written to disk with its norms and embedding, and an entry missing
+  from the arena is looked for there: a valid file is loaded into the arena (its embedding into
+  the ``EmbeddingCache``) and used as an entry stored in this process would be.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from .arena import ImageEntry, KVArena
+from .disk_cache import DiskImageStore
 from .errors import AlreadyExistsError, ArenaFullError
 
 logger = logging.getLogger(__name__)
@@ -121,11 +125,13 @@ class EmbeddingCache:
 
 @dataclass(slots=True)
 class CachedImage:
-    """A held reference to a stored image: the native entry and its value norms float32 [L, n_tokens]."""
+    """A held reference to a stored image: the native entry and its value norms float32 [L, n_tokens];
+    ``from_disk`` when this lookup loaded it from the disk store."""
 
     key: bytes
     entry: ImageEntry
     value_norms: torch.Tensor
+    from_disk: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -136,35 +142,49 @@ class CachedImage:
 
 
 class ImageKVStore:
-    """Pre-RoPE image KV of every layer in the arena's image store, with value norms beside it. Not
-    thread-safe (nor is the arena): a Runtime touches it only holding its lock."""
+    """Pre-RoPE image KV of every layer in the arena's image store, with value norms beside it; with
+    ``disk``, also on disk (entries with their embedding from ``embeddings``). Not thread-safe (nor
+    is the arena): a Runtime touches it only holding its lock."""
 
-    def __init__(self, arena: KVArena) -> None:
-        self.arena = arena
+    def __init__(self, arena: KVArena, disk: DiskImageStore | None = None,
+                 embeddings: EmbeddingCache | None = None) -> None:
+        self.arena, self.disk, self.embeddings = arena, disk, embeddings
         self._norms: dict[bytes, torch.Tensor] = {}
 
     @property
     def enabled(self) -> bool:
         return self.arena.image_cache_bytes > 0
 
-    def acquire(self, key: bytes) -> CachedImage | None:
-        """A reference to the stored image (release it when the request ends), or None."""
+    def acquire(self, key: bytes, n_tokens: int | None = None) -> CachedImage | None:
+        """A reference to the stored image (release it when the request ends), or None. An image not
+        in the arena is loaded from the disk store, if there (of ``n_tokens`` tokens, when given)."""
         if not self.enabled:
             return None
         entry = self.arena.acquire_image(key)
         if entry is None:
             self._norms.pop(key, None)  # evicted natively since we last saw it
-            return None
+            return self._load(key, n_tokens)
         return CachedImage(key, entry, self._norms[key])
 
     def store(self, key: bytes, k_pre_rope: list[torch.Tensor], v: list[torch.Tensor]) -> bool:
-        """Stores one image: per layer K (before RoPE) and V [n_tokens, n_kv_heads, head_dim].
+        """Stores one image: per layer K (before RoPE) and V [n_tokens, n_kv_heads, head_dim]; and
+        queues it for the disk store, with its embedding when the embedding cache holds it.
 
-        Returns False (and stores nothing) when the store is disabled or cannot make room; caching
-        is an optimisation, never a reason for a request to fail.
+        Returns False (and stores nothing in the arena) when the store is disabled or cannot make
+        room; caching is an optimisation, never a reason for a request to fail.
         """
         if not self.enabled:
             return False
+        # norm over all KV heads of each token's V, per layer: [L, n_tokens]
+        norms = torch.stack([vv.float().flatten(1).norm(dim=1) for vv in v])
+        stored = self._put(key, k_pre_rope, v, norms)
+        if self.disk is not None:
+            embedding = self.embeddings.get(key) if self.embeddings is not None else None
+            self.disk.save(key, k_pre_rope, v, norms, embedding)
+        return stored
+
+    def _put(self, key: bytes, k_pre_rope: list[torch.Tensor], v: list[torch.Tensor], norms: torch.Tensor) -> bool:
+        """Writes an entry into the arena's image store, with its value norms float32 [L, n_tokens]."""
         try:
             entry = self.arena.create_image(key, int(k_pre_rope[0].shape[0]))
         except (AlreadyExistsError, ArenaFullError) as error:
@@ -174,12 +194,27 @@ class ImageKVStore:
             for layer, (k, vv) in enumerate(zip(k_pre_rope, v)):
                 entry.write(layer, k.contiguous(), vv.contiguous())
             entry.commit()
-            # norm over all KV heads of each token's V, per layer: [L, n_tokens]
-            self._norms[key] = torch.stack([vv.float().flatten(1).norm(dim=1) for vv in v])
+            self._norms[key] = norms
         finally:
             entry.release()
         self._forget_evicted()
         return True
+
+    def _load(self, key: bytes, n_tokens: int | None) -> CachedImage | None:
+        """The entry under ``key`` loaded from the disk store into the arena (and its embedding into
+        the embedding cache), or None: no disk store, no valid file, or no room in the arena."""
+        if self.disk is None:
+            return None
+        found = self.disk.load(key, n_tokens)
+        if found is None:
+            return None
+        device = self.arena.device
+        if not self._put(key, list(found.k.to(device)), list(found.v.to(device)), found.value_norms.to(device)):
+            return None
+        if found.embedding is not None and self.embeddings is not None:
+            self.embeddings.put(key, found.embedding.to(device))
+        entry = self.arena.acquire_image(key)
+        return CachedImage(key, entry, self._norms[key], from_disk=True) if entry is not None else None
 
     def _forget_evicted(self) -> None:
         """Drops the norms of entries the native store evicted (it evicts on its own, LRU)."""

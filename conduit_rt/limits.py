@@ -1,12 +1,13 @@
-"""The limits a Runtime and a request must fit in, checked before any work: a Runtime's sizes, and
-whether a read request (its prompt's tokens, images included, plus ``max_tokens``) fits the model's
-context length and the KV arena, with options that name real layers. A request refused here has
-allocated nothing."""
+"""The limits a Runtime and a request must fit in, checked before any work: a Runtime's sizes and
+cache folder, and whether a read request (its prompt's tokens, images included, plus
+``max_tokens``) fits the model's context length and the KV arena, with options that name real
+layers. A request refused here has allocated nothing."""
 from __future__ import annotations
 
 import torch
 
 from .arena import DTYPES, KVArena
+from .disk_cache import DEFAULT_CACHE_DIR_BYTES, prepare_directory
 from .errors import ContextOverflowError, InvalidArgumentError, RequestError
 from .models.base import ModelConfig
 from .options import GenerationOptions
@@ -14,11 +15,14 @@ from .request import Request
 from .validation import flag, integer
 
 
-def check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs) -> None:
+def check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
+                            cache_dir=None, cache_dir_bytes=DEFAULT_CACHE_DIR_BYTES) -> None:
     """The Runtime's arguments, before a model is loaded: ``dtype`` None or a dtype the arena
     stores, ``kv_cache_bytes`` a positive integer (or None for the default), ``image_cache_bytes``
     an integer >= 0 (or None), at most ``kv_cache_bytes``, ``prefix_cache_entries`` an integer
-    >= 0, ``cuda_graphs`` a bool. InvalidArgumentError names the argument at fault."""
+    >= 0, ``cuda_graphs`` a bool, ``cache_dir`` None or a folder this process can write (created
+    if missing), ``cache_dir_bytes`` a positive integer. InvalidArgumentError names the argument at
+    fault."""
     if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in DTYPES):
         raise InvalidArgumentError(f"dtype must be None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
     if kv_cache_bytes is not None:
@@ -29,6 +33,9 @@ def check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cac
                 error=InvalidArgumentError)
     integer(prefix_cache_entries, "prefix_cache_entries", 0, error=InvalidArgumentError)
     flag(cuda_graphs, "cuda_graphs", error=InvalidArgumentError)
+    integer(cache_dir_bytes, "cache_dir_bytes (the cache folder's byte budget)", 1, error=InvalidArgumentError)
+    if cache_dir is not None:
+        prepare_directory(cache_dir)
 
 
 def sequence_capacity(arena: KVArena, n_layers: int) -> int:

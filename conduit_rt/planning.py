@@ -1,7 +1,8 @@
 """The plan of a request's prefill: how much of the prompt an exact prefix already holds (a chat
 session's sequence, or the prefix cache), which images after it come back from the image-KV store
-(docs/methods.md §1 step 3), which are computed (and stored as the request computes them), and the
-isolated fill of a missing image (step 2). The pass itself is ``reuse.ReusePass``."""
+(docs/methods.md §1 step 3; in the arena, or loaded from the cache folder), which are computed (and
+stored as the request computes them), and the isolated fill of a missing image (step 2). The pass
+itself is ``reuse.ReusePass``."""
 from __future__ import annotations
 
 import functools
@@ -143,9 +144,10 @@ class Planner:
             if slot.start + slot.n_tokens <= plan.reused:
                 stats.image_hits += 1  # inside the exact prefix
                 continue
-            cached = self.image_kv.acquire(key) if restore and slot.start >= plan.reused else None
+            cached = self.image_kv.acquire(key, slot.n_tokens) if restore and slot.start >= plan.reused else None
             if cached is not None:
                 stats.image_hits += 1
+                stats.image_disk_hits += cached.from_disk
                 plan.restored.append(RestoredImage(slot, cached))
                 continue
             stats.image_misses += 1

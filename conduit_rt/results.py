@@ -25,6 +25,7 @@ class GenerationStats:
     images: int = 0
     image_hits: int = 0                 # images whose KV was reused (exact prefix or restored)
     image_misses: int = 0               # images whose KV was computed in this request
+    image_disk_hits: int = 0            # of image_hits, images whose KV was loaded from the cache folder
     visual_tokens: int = 0              # restored visual tokens (N_vis), candidates for refresh
     refreshed_tokens: int = 0           # of those, recomputed
     recomputed_token_layers: int = 0    # token-layers of the recompute pass

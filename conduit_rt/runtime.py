@@ -31,6 +31,7 @@ from .capture import PassCapture
 from .compress import Recompressor, compress_prompt
 from .convert.cache import model_files
 from .decoding import Decoder
+from .disk_cache import DEFAULT_CACHE_DIR_BYTES, DiskCacheStats, DiskImageStore, EntryLayout, model_fingerprint
 from .errors import ArenaFullError, DeviceUnavailableError
 from .image_cache import DecodedImages, EmbeddingCache, ImageKVStore
 from .limits import check_request_fits, check_runtime_arguments
@@ -111,6 +112,15 @@ class Runtime:
             recurring image files (``image_cache.DecodedImages``) a sixty-fourth (at least 16 MiB;
             none when this is 0).
         prefix_cache_entries: recent sequences kept for exact-prefix reuse across requests.
+        cache_dir: a folder where the image-KV store's entries also go (``disk_cache``): each
+            image's pre-RoPE K and V of every layer, value norms and embedding, with the model's
+            identity and a checksum, written by a background thread. An image missing from the
+            arena is loaded from there (``GenerationStats.image_disk_hits``), so a Runtime started
+            again over the same folder answers as a warm one would. Unusable files (corrupted,
+            truncated, another model's) are deleted and count as misses; several processes may
+            share the folder. Default None: nothing on disk.
+        cache_dir_bytes: the folder's LRU byte budget (default 4 GiB; the least recently used
+            files go first).
         cuda_graphs: on a CUDA device, replay each decode step from a captured CUDA graph
             (``decode_graph.GraphedDecoder``) instead of launching it from Python, and the dense work
             of prefill passes of up to 1024 tokens between their attentions
@@ -134,40 +144,52 @@ class Runtime:
 
     def __init__(self, model_path: str | Path, mmproj: str | Path | None = None, device: str | torch.device = "auto",
                  dtype: torch.dtype | None = None, kv_cache_bytes: int | None = None,
-                 image_cache_bytes: int | None = None, prefix_cache_entries: int = 4, cuda_graphs: bool = True) -> None:
+                 image_cache_bytes: int | None = None, prefix_cache_entries: int = 4, cuda_graphs: bool = True,
+                 cache_dir: str | Path | None = None, cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES) -> None:
         from .models import load_model
 
-        check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs)
+        check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
+                                cache_dir, cache_dir_bytes)
         self.device = resolve_device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model_path, mmproj = model_files(model_path, mmproj)
         self._attach(load_model(model_path, mmproj, self.device, self.dtype), kv_cache_bytes, image_cache_bytes,
-                     prefix_cache_entries, cuda_graphs, source=str(model_path))
+                     prefix_cache_entries, cuda_graphs, source=str(model_path), cache_dir=cache_dir,
+                     cache_dir_bytes=cache_dir_bytes)
         logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
                     self.arena.kv_bytes / 2**20)
 
     @classmethod
     def from_model(cls, model, kv_cache_bytes: int | None = None, image_cache_bytes: int | None = None,
-                   prefix_cache_entries: int = 4, cuda_graphs: bool = True) -> "Runtime":
+                   prefix_cache_entries: int = 4, cuda_graphs: bool = True, cache_dir: str | Path | None = None,
+                   cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES) -> "Runtime":
         """A Runtime over an already-built model (no files read; benchmarks build one with random
         weights): its device and dtype are the model's; the other arguments are as in ``__init__``."""
-        check_runtime_arguments(None, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs)
+        check_runtime_arguments(None, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
+                                cache_dir, cache_dir_bytes)
         runtime = cls.__new__(cls)
         runtime.device, runtime.dtype = model.device, model.dtype
         runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
-                        source="the model given to Runtime.from_model")
+                        source="the model given to Runtime.from_model", cache_dir=cache_dir,
+                        cache_dir_bytes=cache_dir_bytes)
         return runtime
 
     def _attach(self, model, kv_cache_bytes: int | None, image_cache_bytes: int | None,
-                prefix_cache_entries: int, cuda_graphs: bool, source: str) -> None:
+                prefix_cache_entries: int, cuda_graphs: bool, source: str, cache_dir: str | Path | None = None,
+                cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES) -> None:
         """Takes the model, sizes the KV arena and creates the parts and their caches over it;
         ``source`` names the model in errors."""
         self.model = model
         kv_bytes = _kv_bytes(model, self.dtype, self.device) if kv_cache_bytes is None else int(kv_cache_bytes)
         image_bytes = kv_bytes // 4 if image_cache_bytes is None else int(image_cache_bytes)
         self.arena = model.new_arena(kv_bytes, image_cache_bytes=image_bytes)
-        image_kv = ImageKVStore(self.arena)
         embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
+        disk = None
+        if cache_dir is not None and image_bytes > 0:
+            c = model.config
+            layout = EntryLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.hidden, self.dtype)
+            disk = DiskImageStore(cache_dir, cache_dir_bytes, model_fingerprint(model), layout)
+        image_kv = ImageKVStore(self.arena, disk, embeddings)
         # pixels of recurring image files; none when image caching is off
         decoded_images = DecodedImages(max(image_bytes // 64, 16 << 20) if image_bytes > 0 else 0)
         self.requests = RequestReader(model, decoded_images, embeddings)
@@ -176,6 +198,11 @@ class Runtime:
                                cuda_graphs)
         self.lock = RequestLock(self.arena.lock, self.arena.free_deferred)
         _OPEN_RUNTIMES.add(self)
+
+    def disk_cache_stats(self) -> DiskCacheStats | None:
+        """Hits, misses, writes and evictions of the cache folder, and its size (None without one)."""
+        disk = self.planner.image_kv.disk
+        return disk.stats() if disk is not None else None
 
     @property
     def assets(self):
@@ -207,7 +234,8 @@ class Runtime:
     def close(self) -> None:
         """Ends every open stream (each gives its sequence back, as a closed stream does), then frees
         the KV arena with every sequence and image entry in it, the prefix cache, the embedding and
-        decoded-image caches and the CUDA graphs. Later calls raise RuntimeClosedError; closing again
+        decoded-image caches and the CUDA graphs, after writing the entries still queued for the
+        cache folder. Later calls raise RuntimeClosedError; closing again
         does nothing. Waits for the step another thread is running, if any."""
         self.lock.close(self._free)
 
@@ -226,6 +254,8 @@ class Runtime:
             self.planner.prefill_graphs.close()
         self.requests.embeddings.clear()
         self.requests.decoded_images.clear()
+        if self.planner.image_kv.disk is not None:
+            self.planner.image_kv.disk.close()  # writes the entries still queued
         self.arena.close()
         _OPEN_RUNTIMES.discard(self)
 
