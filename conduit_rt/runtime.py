@@ -185,7 +185,9 @@ class Runtime:
         self.arena = model.new_arena(kv_bytes, image_cache_bytes=image_bytes)
         embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
         disk = None
-        if cache_dir is not None and image_bytes > 0:
+        if cache_dir is not None and image_bytes == 0:
+            logger.warning("cache_dir %s is not used: image_cache_bytes=0 turns the image-KV store off", cache_dir)
+        elif cache_dir is not None:
             c = model.config
             layout = EntryLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.hidden, self.dtype)
             disk = DiskImageStore(cache_dir, cache_dir_bytes, model_fingerprint(model), layout)

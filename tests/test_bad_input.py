@@ -218,6 +218,9 @@ CASES = [
     Case("prefix-cache-entries-negative", load(model_of, prefix_cache_entries=-1), InvalidArgumentError,
          "prefix_cache_entries"),
     Case("dtype-unsupported", load(model_of, dtype=torch.int8), InvalidArgumentError, "dtype"),
+    Case("cache-dir-is-a-file", lambda rt, m: load(model_of, cache_dir=m.bad / "empty.gguf")(rt, m),
+         InvalidArgumentError, "is a file"),
+    Case("cache-dir-bytes-negative", load(model_of, cache_dir_bytes=-1), InvalidArgumentError, "cache_dir_bytes"),
     Case("device-unknown", load(model_of, device="tpu"), DeviceUnavailableError, "unknown device"),
     # images
     Case("image-random-bytes", with_image(b"not an image at all"), InvalidImageError, "not an image format"),

@@ -1,0 +1,358 @@
+"""The image-KV store on disk (``Runtime(cache_dir=...)``, ``disk_cache``), on the bundled model (CPU).
+
+A Runtime started again over a cache folder restores the images a closed one computed and answers
+as the closed one answered them warm; unusable files are misses, deleted, and the answer is the one
+computed without them; the folder keeps its LRU byte budget; two processes writing one folder at
+once leave only whole files, holding the KV a Runtime computes; bad arguments are typed errors.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from PIL import Image
+
+import conduit_rt
+from conduit_rt import Runtime
+from conduit_rt.disk_cache import DiskImageStore, EntryLayout, checksum, model_fingerprint
+from conduit_rt.errors import InvalidArgumentError
+
+REPO = Path(__file__).resolve().parent.parent
+ANSWER = {"max_tokens": 6, "refresh": "conduit", "return_logits": True}
+
+
+def picture(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (40, 52, 3), dtype=np.uint8))
+
+
+def messages(prefix: str, images: list[Image.Image], question: str = "Which is brighter?") -> list[dict]:
+    content = [{"type": "text", "text": prefix}] + [{"type": "image", "image": im} for im in images]
+    return [{"role": "user", "content": content + [{"type": "text", "text": question}]}]
+
+
+def new_runtime(cache_dir: Path | None, **kw) -> Runtime:
+    """The bundled model on the CPU, without exact-prefix reuse (every image goes through the store)."""
+    return Runtime(conduit_rt.BUNDLED_MODEL, device="cpu", kv_cache_bytes=32 << 20, prefix_cache_entries=0,
+                   cache_dir=cache_dir, **kw)
+
+
+def entry_kv(runtime: Runtime, key: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K before RoPE, V) of the image entry under ``key`` in the runtime's arena."""
+    entry = runtime.arena.acquire_image(key)
+    assert entry is not None
+    try:
+        return [entry.read(layer) for layer in range(runtime.model.config.n_layers)]
+    finally:
+        entry.release()
+
+
+@dataclass
+class Pristine:
+    """A folder written by a Runtime that answered ``cold`` (both images computed) and then ``warm``
+    (the same images under another prefix, restored from its arena); their results, the images'
+    keys and files, their KV as the arena held it, and the store's identity."""
+
+    directory: Path
+    cold: list[dict]
+    warm: list[dict]
+    cold_result: object
+    warm_result: object
+    keys: list[bytes]
+    paths: list[Path]
+    kv: dict[bytes, list[tuple[torch.Tensor, torch.Tensor]]]
+    model_id: str
+    layout: EntryLayout
+    n_tokens: int
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Pristine:
+    directory = tmp_path_factory.mktemp("pristine")
+    images = [picture(1), picture(2)]
+    cold, warm = messages("Look:", images), messages("Here are two pictures, again:", images)
+    runtime = new_runtime(directory)
+    cold_result = runtime.generate(cold, **ANSWER)
+    assert (cold_result.stats.image_misses, cold_result.stats.image_hits) == (2, 0)
+    warm_result = runtime.generate(warm, **ANSWER)
+    assert (warm_result.stats.image_hits, warm_result.stats.image_disk_hits) == (2, 0)
+    request = runtime.requests.read(cold)
+    keys, n_tokens = request.keys, request.prompt.image_slots[0].n_tokens
+    kv = {key: entry_kv(runtime, key) for key in keys}
+    c = runtime.model.config
+    layout = EntryLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.hidden, runtime.dtype)
+    model_id = model_fingerprint(runtime.model)
+    store = runtime.planner.image_kv.disk
+    paths = [store.path(key) for key in keys]
+    runtime.close()
+    stats = runtime.disk_cache_stats()
+    assert (stats.writes, stats.pending_writes, stats.files) == (2, 0, 2)
+    assert all(path.is_file() for path in paths)
+    return Pristine(directory, cold, warm, cold_result, warm_result, keys, paths, kv, model_id, layout, n_tokens)
+
+
+def copy_of(pristine: Pristine, tmp_path: Path) -> Path:
+    target = tmp_path / "cache"
+    shutil.copytree(pristine.directory, target)
+    return target
+
+
+def assert_same_answer(result, expected) -> None:
+    assert result.tokens == expected.tokens
+    assert torch.equal(result.logits, expected.logits)
+
+
+def assert_entry_is(entry, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A loaded ``DiskEntry`` holds exactly the per-layer K, V of ``kv``."""
+    assert entry is not None
+    assert torch.equal(entry.k, torch.stack([k for k, _ in kv]))
+    assert torch.equal(entry.v, torch.stack([v for _, v in kv]))
+    norms = torch.stack([v.float().flatten(1).norm(dim=1) for _, v in kv])
+    assert torch.equal(entry.value_norms, norms)
+
+
+# -- restarts ---------------------------------------------------------------------------------------
+
+def test_a_restart_restores_the_images_and_answers_as_the_warm_runtime(pristine, tmp_path):
+    directory = copy_of(pristine, tmp_path)
+    with new_runtime(directory) as runtime:
+        result = runtime.generate(pristine.warm, **ANSWER)
+        assert (result.stats.image_hits, result.stats.image_disk_hits, result.stats.image_misses) == (2, 2, 0)
+        assert_same_answer(result, pristine.warm_result)
+        for key in pristine.keys:  # the arena holds what the first runtime's arena held
+            got = entry_kv(runtime, key)
+            assert all(torch.equal(a, b) for pair, want in zip(got, pristine.kv[key]) for a, b in zip(pair, want))
+        embedding = runtime.requests.embeddings.get(pristine.keys[0])
+        assert embedding is not None  # loaded with the entry: the recompute starts from it
+        request = runtime.requests.read(pristine.warm)
+        (expected,) = runtime.model.encode_images([request.images[0]])
+        assert torch.equal(embedding, expected)
+        again = runtime.generate(pristine.warm, **ANSWER)  # now in the arena: an ordinary warm hit
+        assert (again.stats.image_hits, again.stats.image_disk_hits) == (2, 0)
+        assert_same_answer(again, pristine.warm_result)
+        stats = runtime.disk_cache_stats()
+    assert (stats.hits, stats.misses, stats.rejected, stats.writes) == (2, 0, 0, 0)
+
+
+def test_without_a_cache_dir_nothing_is_written_and_a_restart_is_cold(pristine, tmp_path):
+    with new_runtime(None) as runtime:
+        result = runtime.generate(pristine.warm, **ANSWER)
+        assert runtime.disk_cache_stats() is None
+    assert (result.stats.image_misses, result.stats.image_disk_hits) == (2, 0)
+
+
+# -- unusable files -----------------------------------------------------------------------------------
+
+def _resave(path: Path, change) -> None:
+    """Rewrites an entry file after ``change(tensors, metadata)``, with a checksum that matches it."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    change(tensors, metadata)
+    metadata["checksum"] = checksum(tensors, metadata)
+    path.write_bytes(safetensors.torch.save(tensors, metadata))
+
+
+def flipped(path: Path, other: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x40  # inside the tensor data
+    path.write_bytes(bytes(data))
+
+
+def truncated(path: Path, other: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def empty(path: Path, other: Path) -> None:
+    path.write_bytes(b"")
+
+
+def garbage(path: Path, other: Path) -> None:
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+
+
+def foreign_model(path: Path, other: Path) -> None:
+    _resave(path, lambda tensors, metadata: metadata.update(model="0" * 32))
+
+
+def other_dtype(path: Path, other: Path) -> None:
+    def change(tensors, metadata):
+        tensors["k"], tensors["v"] = tensors["k"].half(), tensors["v"].half()
+    _resave(path, change)
+
+
+def wrong_shape(path: Path, other: Path) -> None:
+    def change(tensors, metadata):
+        tensors["k"] = tensors["k"][:-1].contiguous()
+    _resave(path, change)
+
+
+def other_key(path: Path, other: Path) -> None:
+    path.write_bytes(other.read_bytes())
+
+
+SPOILERS = [flipped, truncated, empty, garbage, foreign_model, other_dtype, wrong_shape, other_key]
+
+
+@pytest.mark.parametrize("spoil", SPOILERS, ids=lambda spoil: spoil.__name__)
+def test_an_unusable_file_is_a_miss_and_is_deleted(pristine, tmp_path, spoil, caplog):
+    directory = copy_of(pristine, tmp_path)
+    store = DiskImageStore(directory, 1 << 30, pristine.model_id, pristine.layout)
+    first, second = [store.path(key) for key in pristine.keys]
+    assert_entry_is(store.load(pristine.keys[1], pristine.n_tokens), pristine.kv[pristine.keys[1]])
+    spoil(first, second)
+    assert store.load(pristine.keys[0], pristine.n_tokens) is None
+    assert not first.exists() and second.exists()
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.rejected) == (1, 1, 1)
+    assert "unusable" in caplog.text
+    store.close()
+
+
+def test_a_file_of_another_image_size_is_a_miss(pristine, tmp_path):
+    directory = copy_of(pristine, tmp_path)
+    store = DiskImageStore(directory, 1 << 30, pristine.model_id, pristine.layout)
+    assert store.load(pristine.keys[0], pristine.n_tokens + 1) is None
+    assert not store.path(pristine.keys[0]).exists()
+    store.close()
+
+
+@pytest.mark.parametrize("spoil", [truncated, foreign_model, other_key], ids=lambda spoil: spoil.__name__)
+def test_a_runtime_computes_what_an_unusable_file_held(pristine, tmp_path, spoil):
+    directory = copy_of(pristine, tmp_path)
+    paths = [directory / path.name for path in pristine.paths]
+    spoil(paths[0], pristine.paths[1])
+    spoil(paths[1], pristine.paths[0])
+    with new_runtime(directory) as runtime:
+        result = runtime.generate(pristine.cold, **ANSWER)
+        assert (result.stats.image_misses, result.stats.image_disk_hits) == (2, 0)
+        assert_same_answer(result, pristine.cold_result)
+    stats = runtime.disk_cache_stats()
+    assert (stats.misses, stats.rejected, stats.writes) == (2, 2, 2)
+    store = DiskImageStore(directory, 1 << 30, pristine.model_id, pristine.layout)
+    for key in pristine.keys:  # written again, whole
+        assert_entry_is(store.load(key, pristine.n_tokens), pristine.kv[key])
+    store.close()
+
+
+# -- the byte budget ------------------------------------------------------------------------------------
+
+def test_the_least_recently_used_files_go_past_the_budget(pristine, tmp_path):
+    size = pristine.paths[0].stat().st_size
+    directory = tmp_path / "cache"
+    a, b, c = picture(11), picture(12), picture(13)
+    with new_runtime(directory, cache_dir_bytes=size * 5 // 2) as first:
+        for image in (a, b):
+            first.generate(messages("Look:", [image]), **ANSWER)
+        keys = {name: first.requests.read(messages("", [im])).keys[0] for name, im in zip("abc", (a, b, c))}
+        store = first.planner.image_kv.disk
+    assert store.stats().evictions == 0
+    assert all(store.path(keys[name]).is_file() for name in "ab")
+    with new_runtime(directory, cache_dir_bytes=size * 5 // 2) as second:
+        hit = second.generate(messages("Look:", [a]), **ANSWER)  # a: more recently used than b
+        assert hit.stats.image_disk_hits == 1
+        second.generate(messages("Look:", [c]), **ANSWER)
+    stats = second.disk_cache_stats()
+    assert stats.evictions == 1 and stats.files == 2 and stats.bytes <= size * 5 // 2
+    assert [store.path(keys[name]).is_file() for name in "abc"] == [True, False, True]
+
+
+def test_an_entry_larger_than_the_budget_is_not_written(pristine, tmp_path):
+    with new_runtime(tmp_path / "cache", cache_dir_bytes=1024) as runtime:
+        result = runtime.generate(pristine.cold, **ANSWER)
+    assert_same_answer(result, pristine.cold_result)
+    stats = runtime.disk_cache_stats()
+    assert (stats.writes, stats.dropped_writes, stats.files) == (0, 2, 0)
+
+
+# -- two processes, one folder --------------------------------------------------------------------------
+
+WORKER = """
+import sys
+from tests.test_disk_cache import messages, new_runtime, picture
+from pathlib import Path
+
+directory, budget, order = Path(sys.argv[1]), int(sys.argv[2]), [int(i) for i in sys.argv[3].split(",")]
+runtime = new_runtime(directory, cache_dir_bytes=budget)
+for seed in order:
+    runtime.generate(messages("Look:", [picture(seed)]), max_tokens=2, refresh="conduit")
+# no close: the queued writes are written at interpreter exit
+"""
+
+
+def test_two_processes_writing_one_folder_leave_only_whole_files(pristine, tmp_path):
+    directory = tmp_path / "cache"
+    seeds = [21, 22, 23, 24, 25]
+    budget = pristine.paths[0].stat().st_size * 3
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    orders = [seeds, seeds[::-1]]
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(directory), str(budget), ",".join(map(str, o))],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for o in orders]
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err
+        assert "Traceback" not in err, err
+
+    names = sorted(os.listdir(directory))
+    assert not [name for name in names if name.endswith(".tmp")]
+    files = [name for name in names if name.endswith(".safetensors")]
+    assert files and sum((directory / name).stat().st_size for name in files) <= budget
+
+    with new_runtime(None) as reference:  # the KV each image's file must hold, computed here
+        store = DiskImageStore(directory, budget, model_fingerprint(reference.model), pristine.layout)
+        found = 0
+        for seed in seeds:
+            request = messages("Look:", [picture(seed)])
+            reference.generate(request, max_tokens=1, refresh="conduit")
+            key = reference.requests.read(request).keys[0]
+            entry = store.load(key, pristine.n_tokens) if store.contains(key) else None
+            if entry is not None:
+                found += 1
+                kv = entry_kv(reference, key)
+                torch.testing.assert_close(entry.k, torch.stack([k for k, _ in kv]), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(entry.v, torch.stack([v for _, v in kv]), rtol=1e-5, atol=1e-6)
+        store.close()
+    assert found == len(files) and store.stats().rejected == 0
+
+
+# -- bad arguments --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,message", [
+    ({"cache_dir_bytes": -1}, "cache_dir_bytes"),
+    ({"cache_dir_bytes": 0}, "cache_dir_bytes"),
+    ({"cache_dir_bytes": 1.5}, "cache_dir_bytes"),
+    ({"cache_dir_bytes": "4G"}, "cache_dir_bytes"),
+    ({"cache_dir": 42}, "cache_dir"),
+    ({"cache_dir": ""}, "cache_dir"),
+])
+def test_bad_cache_arguments_are_typed_errors(tmp_path, kw, message):
+    kw = {"cache_dir": tmp_path, **kw}
+    with pytest.raises(InvalidArgumentError, match=message):
+        Runtime(conduit_rt.BUNDLED_MODEL, device="cpu", **kw)
+
+
+def test_a_cache_dir_that_is_a_file_or_below_one_is_refused(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("not a folder")
+    with pytest.raises(InvalidArgumentError, match="is a file"):
+        Runtime(conduit_rt.BUNDLED_MODEL, device="cpu", cache_dir=a_file)
+    with pytest.raises(InvalidArgumentError, match="cannot be created"):
+        Runtime(conduit_rt.BUNDLED_MODEL, device="cpu", cache_dir=a_file / "below")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="permissions do not bind root")
+def test_an_unwritable_cache_dir_is_refused(tmp_path):
+    directory = tmp_path / "locked"
+    directory.mkdir(mode=0o500)
+    with pytest.raises(InvalidArgumentError, match="cannot be created or written"):
+        Runtime(conduit_rt.BUNDLED_MODEL, device="cpu", cache_dir=directory)
