@@ -25,6 +25,9 @@ Writes run on one background thread per store, off the request's path: ``save`` 
 tensors as the request left them (on the model's device) and queues them, up to
 ``MAX_PENDING_BYTES``; past that a save is dropped (caching is an optimisation). ``close`` (a
 Runtime's close, or interpreter exit) writes what is queued and stops the thread.
+
+Longer than most files (~450 lines): the file format, the writer thread and the LRU sweeps share
+the folder's naming, lock and counts, and are one owner's; each is a screen or less.
 """
 from __future__ import annotations
 
