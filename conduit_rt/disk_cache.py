@@ -32,6 +32,7 @@ the folder's naming, lock and counts, and are one owner's; each is a screen or l
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,8 @@ DEFAULT_CACHE_DIR_BYTES = 4 << 30
 MAX_PENDING_BYTES = 512 << 20
 # A temporary file this old belongs to a writer that died: a sweep deletes it.
 STALE_TEMP_S = 3600.0
+# Bytes of a tensor hashed as one piece of the checksum (the pieces are hashed in parallel).
+CHECKSUM_CHUNK = 8 << 20
 # Elements of each weight tensor that ``model_fingerprint`` reads.
 FINGERPRINT_SAMPLES = 256
 
@@ -156,13 +160,44 @@ def model_fingerprint(model) -> str:
 
 
 def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    """blake2b (hex) of the metadata (but its checksum) and each tensor's name and bytes, CPU tensors."""
+    """blake2b (hex) over the metadata (but its checksum) and, in name order, each CPU tensor's name
+    and the blake2b of each ``CHECKSUM_CHUNK`` bytes of it. The chunks are hashed on a thread pool
+    (hashlib lets the GIL go): a 7B model's image entry is ~300 MB, checked on every load."""
+    chunks = []
+    for name in sorted(tensors):
+        data = memoryview(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+        chunks += [(name, data[i: i + CHECKSUM_CHUNK]) for i in range(0, max(len(data), 1), CHECKSUM_CHUNK)]
+    digests = _chunk_digests([data for _, data in chunks])
     digest = hashlib.blake2b(digest_size=32)
     digest.update(json.dumps({k: v for k, v in metadata.items() if k != "checksum"}, sort_keys=True).encode())
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    for (name, _), chunk_digest in zip(chunks, digests):
+        digest.update(name.encode() + chunk_digest)
     return digest.hexdigest()
+
+
+def _chunk_digests(chunks: list[memoryview]) -> list[bytes]:
+    """blake2b of each chunk: on the pool, or here when there is one chunk or the pool is shut down
+    (at interpreter exit, when the last queued saves are written)."""
+    if len(chunks) > 1:
+        try:
+            return list(_hash_pool().map(_chunk_digest, chunks))
+        except RuntimeError:
+            pass
+    return [_chunk_digest(chunk) for chunk in chunks]
+
+
+def _chunk_digest(chunk: memoryview) -> bytes:
+    return hashlib.blake2b(chunk, digest_size=32).digest()
+
+
+@functools.cache
+def _hash_pool() -> ThreadPoolExecutor:
+    """The threads that hash checksum chunks (one pool per process)."""
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="conduit-checksum")
+
+
+# A forked child inherits the cached pool without its threads: it makes its own.
+os.register_at_fork(after_in_child=_hash_pool.cache_clear)
 
 
 @dataclass(slots=True)
@@ -433,6 +468,7 @@ def _write_atomically(path: Path, payload: bytes) -> None:
     """Writes ``payload`` to a temporary file beside ``path``, fsyncs it, and renames it onto ``path``."""
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # readable by the other users of a shared folder, as a plain file would be
         with os.fdopen(fd, "wb") as out:
             out.write(payload)
             out.flush()

@@ -7,10 +7,12 @@ once leave only whole files, holding the KV a Runtime computes; bad arguments ar
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 from PIL import Image
 
 import conduit_rt
-from conduit_rt import Runtime
+from conduit_rt import Runtime, disk_cache
 from conduit_rt.disk_cache import DiskImageStore, EntryLayout, checksum, model_fingerprint
 from conduit_rt.errors import InvalidArgumentError
 
@@ -323,6 +325,51 @@ def test_two_processes_writing_one_folder_leave_only_whole_files(pristine, tmp_p
                 torch.testing.assert_close(entry.v, torch.stack([v for _, v in kv]), rtol=1e-5, atol=1e-6)
         store.close()
     assert found == len(files) and store.stats().rejected == 0
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading
+from pathlib import Path
+from conduit_rt.disk_cache import DiskImageStore
+from tests.test_disk_cache import messages, new_runtime, picture
+
+exiting, write = threading.Event(), DiskImageStore._write
+DiskImageStore._write = lambda store, job: (exiting.wait(), write(store, job))  # held until exit
+runtime = new_runtime(Path(sys.argv[1]))
+atexit.register(exiting.set)  # runs before the handler that closes the Runtime (registered earlier)
+runtime.generate(messages("Look:", [picture(1), picture(2)]), max_tokens=2, refresh="conduit")
+assert runtime.disk_cache_stats().pending_writes > 0
+"""
+
+
+def test_saves_still_queued_at_exit_are_written(pristine, tmp_path):
+    directory = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(directory)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "failed" not in done.stderr, done.stderr
+    store = DiskImageStore(directory, 1 << 30, pristine.model_id, pristine.layout)
+    for key in pristine.keys:  # the request computed both images as the pristine runtime's first did
+        assert_entry_is(store.load(key, pristine.n_tokens), pristine.kv[key])
+    store.close()
+
+
+def test_the_checksum_hashes_chunks_and_needs_no_pool(monkeypatch):
+    """Three chunks' blake2b under one over the metadata, against hashlib directly; the same when the
+    pool is shut down (as at interpreter exit)."""
+    chunk = disk_cache.CHECKSUM_CHUNK
+    tensors = {"v": torch.randn(chunk // 2), "k": torch.randn(chunk // 4 + 3).half()}
+    metadata = {"key": "ab", "checksum": "ignored"}
+    data = {name: t.numpy().tobytes() for name, t in tensors.items()}
+    expected = hashlib.blake2b(digest_size=32)
+    expected.update(b'{"key": "ab"}')
+    for name, offset in [("k", 0), ("v", 0), ("v", chunk)]:
+        expected.update(name.encode() + hashlib.blake2b(data[name][offset: offset + chunk], digest_size=32).digest())
+    assert checksum(tensors, metadata) == expected.hexdigest()
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    monkeypatch.setattr(disk_cache, "_hash_pool", lambda: pool)
+    assert checksum(tensors, metadata) == expected.hexdigest()
 
 
 # -- bad arguments --------------------------------------------------------------------------------------
