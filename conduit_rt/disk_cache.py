@@ -1,19 +1,10 @@
 """The image-KV store on disk (``Runtime(cache_dir=...)``): image entries that outlive the process.
 
-One file per image and model, ``<model id>-<image key>.safetensors`` in the cache folder, holding
-the entry as the in-memory stores keep it:
-
-- ``k``, ``v``: pre-RoPE K and V of every decoder layer, model dtype [n_layers, n_tokens,
-  n_kv_heads, head_dim];
-- ``value_norms``: float32 [n_layers, n_tokens] (CONDUIT's scores weight attention by them);
-- ``embedding`` (when the embedding cache held it): the projected image features, model dtype
-  [n_tokens, hidden], where CONDUIT's recompute starts;
-- metadata: the format, the 32-byte image key, the model's identity (``model_fingerprint``), the
-  dtype and shapes, and a blake2b checksum over the metadata and every tensor's bytes.
-
-A file is used only when all of that matches what the loading model expects; any other file
-(corrupted, truncated, empty, another model's, another dtype's, other shapes, another key) is a
-miss: it is deleted with a warning, and the image is computed again.
+One file per image and model, ``<model id>-<image key>.safetensors`` in the cache folder, in the
+format of ``disk_entry`` (KV, value norms, embedding, the model's identity and a checksum). A file
+is used only when it is whole and this model's; any other file (corrupted, truncated, empty,
+another model's, another dtype's, other shapes, another key) is a miss: it is deleted with a
+warning, and the image is computed again.
 
 Several processes may share one folder. Writes go to a temporary file in the folder, fsynced, then
 ``os.replace``d onto the name, so a reader sees a whole file or none; readers take files vanishing
@@ -25,16 +16,10 @@ Writes run on one background thread per store, off the request's path: ``save`` 
 tensors as the request left them (on the model's device) and queues them, up to
 ``MAX_PENDING_BYTES``; past that a save is dropped (caching is an optimisation). ``close`` (a
 Runtime's close, or interpreter exit) writes what is queued and stops the thread.
-
-Longer than most files (~450 lines): the file format, the writer thread and the LRU sweeps share
-the folder's naming, lock and counts, and are one owner's; each is a screen or less.
 """
 from __future__ import annotations
 
 import atexit
-import functools
-import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -42,20 +27,17 @@ import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import filelock
-import safetensors
-import safetensors.torch
 import torch
 
+from .disk_entry import DiskEntry, EntryFormat, EntryLayout
 from .errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "conduit-image-kv/1"
 SUFFIX = ".safetensors"
 LOCK_NAME = ".conduit-image-kv.lock"
 DEFAULT_CACHE_DIR_BYTES = 4 << 30
@@ -63,36 +45,6 @@ DEFAULT_CACHE_DIR_BYTES = 4 << 30
 MAX_PENDING_BYTES = 512 << 20
 # A temporary file this old belongs to a writer that died: a sweep deletes it.
 STALE_TEMP_S = 3600.0
-# Bytes of a tensor hashed as one piece of the checksum (the pieces are hashed in parallel).
-CHECKSUM_CHUNK = 8 << 20
-# Elements of each weight tensor that ``model_fingerprint`` reads.
-FINGERPRINT_SAMPLES = 256
-
-
-@dataclass(frozen=True, slots=True)
-class EntryLayout:
-    """What every entry of one model holds: its KV shape and dtype, and the embeddings' width."""
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    hidden: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class DiskEntry:
-    """An image entry read from disk, on the CPU: K, V [n_layers, n_tokens, n_kv_heads, head_dim]
-    (model dtype), value norms float32 [n_layers, n_tokens], embedding [n_tokens, hidden] or None."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    value_norms: torch.Tensor
-    embedding: torch.Tensor | None
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.k.shape[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +68,6 @@ class DiskCacheStats:
     max_bytes: int = 0
 
 
-class _Unusable(Exception):
-    """A file that is not a valid entry for this model and key (the message says why)."""
-
-
 def prepare_directory(path, what: str = "cache_dir") -> Path:
     """``path`` as a folder this process can write files into, created if missing; otherwise
     InvalidArgumentError saying what is wrong with it."""
@@ -138,66 +86,6 @@ def prepare_directory(path, what: str = "cache_dir") -> Path:
         raise InvalidArgumentError(f"{what} {str(directory)!r} cannot be created or written ({reason}): "
                                    "give a folder this process may write to") from error
     return directory
-
-
-def model_fingerprint(model) -> str:
-    """The identity of a model's KV (hex): its class, config, dtype, vision identity, and every
-    weight's name, shape, dtype and ``FINGERPRINT_SAMPLES`` evenly strided values. Two models with
-    equal fingerprints compute the same KV; a converted file converted again from other weights, or
-    loaded in another dtype, gets another. Reads a few KiB of each weight (one device transfer)."""
-    digest = hashlib.blake2b(digest_size=16)
-    vision_id = getattr(getattr(model, "assets", None), "vision_model_id", "")
-    digest.update(repr((type(model).__name__, model.config, str(model.dtype), vision_id)).encode())
-    samples = []
-    for name, weight in sorted(model.state_dict().items()):
-        digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype};".encode())
-        flat = weight.detach().reshape(-1)
-        if flat.numel():
-            samples.append(flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES].float())
-    if samples:
-        digest.update(torch.cat(samples).cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    """blake2b (hex) over the metadata (but its checksum) and, in name order, each CPU tensor's name
-    and the blake2b of each ``CHECKSUM_CHUNK`` bytes of it. The chunks are hashed on a thread pool
-    (hashlib lets the GIL go): a 7B model's image entry is ~300 MB, checked on every load."""
-    chunks = []
-    for name in sorted(tensors):
-        data = memoryview(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
-        chunks += [(name, data[i: i + CHECKSUM_CHUNK]) for i in range(0, max(len(data), 1), CHECKSUM_CHUNK)]
-    digests = _chunk_digests([data for _, data in chunks])
-    digest = hashlib.blake2b(digest_size=32)
-    digest.update(json.dumps({k: v for k, v in metadata.items() if k != "checksum"}, sort_keys=True).encode())
-    for (name, _), chunk_digest in zip(chunks, digests):
-        digest.update(name.encode() + chunk_digest)
-    return digest.hexdigest()
-
-
-def _chunk_digests(chunks: list[memoryview]) -> list[bytes]:
-    """blake2b of each chunk: on the pool, or here when there is one chunk or the pool is shut down
-    (at interpreter exit, when the last queued saves are written)."""
-    if len(chunks) > 1:
-        try:
-            return list(_hash_pool().map(_chunk_digest, chunks))
-        except RuntimeError:
-            pass
-    return [_chunk_digest(chunk) for chunk in chunks]
-
-
-def _chunk_digest(chunk: memoryview) -> bytes:
-    return hashlib.blake2b(chunk, digest_size=32).digest()
-
-
-@functools.cache
-def _hash_pool() -> ThreadPoolExecutor:
-    """The threads that hash checksum chunks (one pool per process)."""
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="conduit-checksum")
-
-
-# A forked child inherits the cached pool without its threads: it makes its own.
-os.register_at_fork(after_in_child=_hash_pool.cache_clear)
 
 
 @dataclass(slots=True)
@@ -219,7 +107,7 @@ class DiskImageStore:
 
     def __init__(self, directory: str | Path, max_bytes: int, model_id: str, layout: EntryLayout) -> None:
         self.directory = prepare_directory(directory)
-        self.max_bytes, self.model_id, self.layout = int(max_bytes), model_id, layout
+        self.max_bytes, self.format = int(max_bytes), EntryFormat(model_id, layout)
         self._lock = threading.Condition()
         self._counts = dict.fromkeys(("hits", "misses", "rejected", "writes", "dropped_writes", "evictions",
                                       "bytes", "files"), 0)
@@ -233,7 +121,7 @@ class DiskImageStore:
 
     # -- lookups --------------------------------------------------------------------------------------
     def path(self, key: bytes) -> Path:
-        return self.directory / f"{self.model_id[:16]}-{key.hex()}{SUFFIX}"
+        return self.directory / f"{self.format.model_id[:16]}-{key.hex()}{SUFFIX}"
 
     def contains(self, key: bytes) -> bool:
         """Whether a file exists under ``key`` (not checked; not counted as a use)."""
@@ -249,7 +137,7 @@ class DiskImageStore:
             self._count("misses")
             return None
         try:
-            entry = self._read(path, key, n_tokens)
+            entry = self.format.decode(path, key, n_tokens)
         except FileNotFoundError:  # evicted by another process between the two calls
             self._count("misses")
             return None
@@ -264,46 +152,6 @@ class DiskImageStore:
             pass  # evicted meanwhile: the entry read is whole all the same
         self._count("hits")
         return entry
-
-    def _read(self, path: Path, key: bytes, n_tokens: int | None) -> DiskEntry:
-        """The file's entry, checked against this model, ``key`` and ``n_tokens``; _Unusable (or the
-        library's error) otherwise."""
-        with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            expected = self._metadata(key, int(metadata.get("n_tokens", "0")))
-            for field, value in expected.items():
-                if metadata.get(field) != value:
-                    raise _Unusable(f"{field} is {metadata.get(field)!r}, expected {value!r}")
-            n = int(expected["n_tokens"])
-            if n <= 0 or (n_tokens is not None and n != n_tokens):
-                raise _Unusable(f"{n} tokens, expected {n_tokens}")
-            shapes = self._shapes(n)
-            names = set(f.keys())
-            if not set(shapes) - {"embedding"} <= names <= set(shapes):
-                raise _Unusable(f"tensors {sorted(names)}, expected {sorted(shapes)}")
-            for name in names:
-                if list(f.get_slice(name).get_shape()) != shapes[name]:
-                    raise _Unusable(f"{name} has shape {f.get_slice(name).get_shape()}, expected {shapes[name]}")
-            tensors = {name: f.get_tensor(name) for name in names}
-        for name, tensor in tensors.items():
-            want = torch.float32 if name == "value_norms" else self.layout.dtype
-            if tensor.dtype != want:
-                raise _Unusable(f"{name} has dtype {tensor.dtype}, expected {want}")
-        if metadata.get("checksum") != checksum(tensors, metadata):
-            raise _Unusable("checksum mismatch")
-        return DiskEntry(tensors["k"], tensors["v"], tensors["value_norms"], tensors.get("embedding"))
-
-    def _metadata(self, key: bytes, n_tokens: int) -> dict[str, str]:
-        """The metadata every file of this model and key carries (but the checksum)."""
-        a = self.layout
-        return {"format": FORMAT, "key": key.hex(), "model": self.model_id, "dtype": str(a.dtype),
-                "n_tokens": str(n_tokens), "n_layers": str(a.n_layers), "n_kv_heads": str(a.n_kv_heads),
-                "head_dim": str(a.head_dim), "hidden": str(a.hidden)}
-
-    def _shapes(self, n_tokens: int) -> dict[str, list[int]]:
-        a = self.layout
-        kv = [a.n_layers, n_tokens, a.n_kv_heads, a.head_dim]
-        return {"k": kv, "v": kv, "value_norms": [a.n_layers, n_tokens], "embedding": [n_tokens, a.hidden]}
 
     # -- saves ------------------------------------------------------------------------------------------
     def save(self, key: bytes, k: list[torch.Tensor], v: list[torch.Tensor], value_norms: torch.Tensor,
@@ -376,9 +224,7 @@ class DiskImageStore:
         if path.is_file():  # another process wrote it meanwhile
             return
         tensors = _on_host(job.tensors, job.ready)
-        metadata = self._metadata(job.key, int(tensors["k"].shape[1]))
-        metadata["checksum"] = checksum(tensors, metadata)
-        payload = safetensors.torch.save(tensors, metadata)
+        payload = self.format.encode(job.key, tensors)
         if len(payload) > self.max_bytes:
             self._count("dropped_writes")
             return

@@ -31,7 +31,8 @@ from .capture import PassCapture
 from .compress import Recompressor, compress_prompt
 from .convert.cache import model_files
 from .decoding import Decoder
-from .disk_cache import DEFAULT_CACHE_DIR_BYTES, DiskCacheStats, DiskImageStore, EntryLayout, model_fingerprint
+from .disk_cache import DEFAULT_CACHE_DIR_BYTES, DiskCacheStats, DiskImageStore
+from .disk_entry import EntryLayout, model_fingerprint
 from .errors import ArenaFullError, DeviceUnavailableError
 from .image_cache import DecodedImages, EmbeddingCache, ImageKVStore
 from .limits import check_request_fits, check_runtime_arguments

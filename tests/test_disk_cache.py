@@ -1,4 +1,5 @@
-"""The image-KV store on disk (``Runtime(cache_dir=...)``, ``disk_cache``), on the bundled model (CPU).
+"""The image-KV store on disk (``Runtime(cache_dir=...)``, ``disk_cache``, ``disk_entry``), on the bundled
+model (CPU).
 
 A Runtime started again over a cache folder restores the images a closed one computed and answers
 as the closed one answered them warm; unusable files are misses, deleted, and the answer is the one
@@ -24,8 +25,9 @@ import torch
 from PIL import Image
 
 import conduit_rt
-from conduit_rt import Runtime, disk_cache
-from conduit_rt.disk_cache import DiskImageStore, EntryLayout, checksum, model_fingerprint
+from conduit_rt import Runtime, disk_entry
+from conduit_rt.disk_cache import DiskImageStore
+from conduit_rt.disk_entry import EntryLayout, checksum, model_fingerprint
 from conduit_rt.errors import InvalidArgumentError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -357,7 +359,7 @@ def test_saves_still_queued_at_exit_are_written(pristine, tmp_path):
 def test_the_checksum_hashes_chunks_and_needs_no_pool(monkeypatch):
     """Three chunks' blake2b under one over the metadata, against hashlib directly; the same when the
     pool is shut down (as at interpreter exit)."""
-    chunk = disk_cache.CHECKSUM_CHUNK
+    chunk = disk_entry.CHECKSUM_CHUNK
     tensors = {"v": torch.randn(chunk // 2), "k": torch.randn(chunk // 4 + 3).half()}
     metadata = {"key": "ab", "checksum": "ignored"}
     data = {name: t.numpy().tobytes() for name, t in tensors.items()}
@@ -368,7 +370,7 @@ def test_the_checksum_hashes_chunks_and_needs_no_pool(monkeypatch):
     assert checksum(tensors, metadata) == expected.hexdigest()
     pool = ThreadPoolExecutor(1)
     pool.shutdown()
-    monkeypatch.setattr(disk_cache, "_hash_pool", lambda: pool)
+    monkeypatch.setattr(disk_entry, "_hash_pool", lambda: pool)
     assert checksum(tensors, metadata) == expected.hexdigest()
 
 

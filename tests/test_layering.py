@@ -18,7 +18,7 @@ LAYERS = [
     (1, "native binding", ["native"]),
     (2, "arena", ["arena", "topk"]),
     (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "tokenizer", "chat", "sampling",
-                               "models", "selection", "refresh", "compress", "image_cache", "disk_cache",
+                               "models", "selection", "refresh", "compress", "image_cache", "disk_cache", "disk_entry",
                                "prefix_cache", "decode_graph", "prefill_graph", "convert"]),
     (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",
                     "prefill", "limits"]),
