@@ -228,6 +228,31 @@ class _Context:
         self.run.stats.prefill_flops += scores.flops
         return scores
 
+    def head_attention(self) -> torch.Tensor:
+        """a_{l,h}(t): each query head's attention over the restored visual tokens, averaged over the
+        query rows, for every chosen layer: float32 [n_layers_chosen, n_heads, N]. Each row's softmax
+        runs over every key the row sees (by causal position), in torch from the sequence's KV, as the
+        text pass left it; charged now as the native scoring is (2 H d FLOPs per visible pair)."""
+        config, seq = self.config, self.seq
+        layers = self.scores.layers
+        slots = self.tokens.slots.to(self.run.model.device)
+        key_positions = seq.positions(0).to(self.run.model.device).long()
+        per_layer = []
+        for layer in layers:
+            q, q_positions = self.queries(layer)                                  # [n_q, H, d]
+            if not q_positions:
+                per_layer.append(torch.zeros(config.n_heads, self.tokens.n, device=slots.device))
+                continue
+            k, _ = seq.read_kv(layer)                                             # [n, KVH, d]
+            keys = k.float().repeat_interleave(config.n_heads // config.n_kv_heads, dim=1)
+            logits = torch.einsum("qhd,khd->hqk", q.float(), keys) * config.attention_scale
+            rows = torch.tensor(q_positions, device=logits.device)
+            logits = logits.masked_fill(key_positions[None, None, :] > rows[None, :, None], float("-inf"))
+            per_layer.append(logits.softmax(dim=-1).mean(dim=1)[:, slots])       # [H, N]
+        self.run.stats.prefill_flops += len(layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
+                                                          for p in self.run.query_positions)
+        return torch.stack(per_layer)
+
     def first_layer_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every restored visual token through layer 0 (its layer-0 KV, a function of its embedding
         alone, written again), then layer 1's pre-RoPE K and V of the output, not written:

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from conduit_rt.models.rope import apply_rope
-from conduit_rt.refresh import POLICIES, ConduitAllQ, ConduitDeviation, ConduitRescore
+from conduit_rt.refresh import POLICIES, ConduitAllQ, ConduitDeviation, ConduitFocus, ConduitRescore
 from conduit_rt.selection import budget_tokens
 from tests.test_compress import record, reference_keep, runtime  # noqa: F401
 from tests.test_conduit import (NUM_IMAGE_TOKENS, TOLERANCE, RecordingConduit, cold_logits, first_logits,  # noqa: F401
                                 model_dir, new_runtime, picture, reference_scores, reference_selection, snapshot,
                                 warm)
 
-NEW_REFRESH = ["conduit_allq", "conduit_rescore", "conduit_deviation"]
+NEW_REFRESH = ["conduit_allq", "conduit_rescore", "conduit_deviation", "conduit_focus"]
 
 
 def interleaved(pics, question: str) -> list[dict]:
@@ -54,6 +54,12 @@ class RecordingAllQ(RecordingConduit, ConduitAllQ):
 
 
 class RecordingRescore(ConduitRescore):
+    def refresh(self, context):
+        self.calls = Recompute(context)
+        return super().refresh(context)
+
+
+class RecordingFocus(ConduitFocus):
     def refresh(self, context):
         self.calls = Recompute(context)
         return super().refresh(context)
@@ -189,6 +195,56 @@ def test_conduit_deviation_ranks_by_score_times_layer_one_deviation(warm, monkey
     slots = seen["tokens"].slots
     rows = recompute_rows(slots[selected].tolist(), set(slots.tolist()), stats.prompt_tokens)
     assert stats.recomputed_token_layers == n_visual + rows * runtime.model.config.n_layers
+
+
+def reference_focus_selection(seen) -> torch.Tensor:
+    """conduit_focus in float64 from what a recorder saw: per-head softmax over every visible key,
+    each head's share of its visual attention, weighted by (share on its top B)^4, summed, times the
+    layer mean of ||V||; then per image the top tokens, B split by largest remainder of size."""
+    tokens, positions, budget = seen["tokens"], seen["positions"].long(), seen["budget"]
+    q_pos = torch.tensor(seen["query_positions"])
+    weighted, norms = 0.0, []
+    for layer in range(len(seen["kv"])):
+        k, v = (t.double().cpu() for t in seen["kv"][layer])
+        q = seen["q"][layer].double().cpu()
+        keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * seen["scale"]
+        scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        per_head = torch.softmax(scores, dim=-1).mean(dim=1)[:, tokens.slots]        # [H, N]
+        share = per_head / per_head.sum(dim=1, keepdim=True)
+        focus = torch.sort(share, dim=1, descending=True).values[:, :budget].sum(dim=1)
+        weighted = weighted + (share * focus[:, None] ** 4).sum(dim=0)
+        norms.append(v.flatten(1).norm(dim=1)[tokens.slots])
+    score = weighted * torch.stack(norms).mean(dim=0)
+    sizes = [int((tokens.image == j).sum()) for j in range(tokens.n_images)]
+    quotas = [budget * size / sum(sizes) for size in sizes]
+    shares = [math.floor(x) for x in quotas]
+    for j in sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - shares[i]), i))[:budget - sum(shares)]:
+        shares[j] += 1
+    chosen = []
+    for j, k in enumerate(shares):
+        members = torch.nonzero(tokens.image == j).flatten()
+        chosen += members[torch.topk(score[members], k).indices].tolist()
+    return torch.tensor(sorted(chosen))
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.3])
+def test_conduit_focus_equals_a_float64_reference(warm, monkeypatch, ratio):
+    runtime, pics = warm
+    recorder = RecordingFocus()
+    monkeypatch.setitem(POLICIES, "conduit_focus", recorder)
+    messages = interleaved([pics[1], pics[0], pics[2]], "Which page is bluest?")
+    stats = runtime.generate(messages, max_tokens=1, refresh="conduit_focus", refresh_budget=ratio).stats
+    (seen,), (selected,) = recorder.calls.states, recorder.calls.selected
+    budget = budget_tokens(ratio, 3 * NUM_IMAGE_TOKENS)
+    assert stats.refreshed_tokens == selected.numel() == budget
+    per_image = torch.bincount(seen["tokens"].image[selected], minlength=3).tolist()
+    assert max(per_image) - min(per_image) <= 1  # three images of one size: the budget split evenly
+    expected = reference_focus_selection(seen)
+    if runtime.device.type == "cpu":
+        assert torch.equal(selected, expected)
+    else:
+        assert len(set(selected.tolist()) & set(expected.tolist())) >= 0.9 * budget
 
 
 # -- compression -------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ point at the wrong tokens; each policy here attacks that under the same budget B
                      the partly refreshed KV picks the other B - ceil(B/2), then one pass over all B
   conduit_deviation  CONDUIT's score times ||dK|| + ||dV|| at layer 1 after recomputing every visual
                      token through layer 0
+  conduit_focus      attention per head, weighted by how much of its mass the head puts on B tokens,
+                     times the value norm; the budget shared among the images by size
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ..selection import top_k_indices
+from ..selection import apportion, top_k_indices
 from .base import RefreshContext, Refreshed, RefreshPolicy, ScoreSource
 from .policies import Conduit, conduit_scores
 
@@ -33,6 +35,9 @@ class ProbingContext(RefreshContext, Protocol):
         """Every restored visual token through layer 0 in this request (writing their layer-0 KV,
         which depends on the token's embedding alone and so equals the restored one), then layer 1's
         K before RoPE and V of that output, not written: [N, n_kv_heads, head_dim] each."""
+
+    def head_attention(self) -> torch.Tensor:
+        """a_{l,h}(t) per chosen layer and query head, the mean over the query rows: float32 [L, H, N]."""
 
 
 class ConduitAllQ(Conduit):
@@ -104,3 +109,48 @@ class ConduitDeviation(RefreshPolicy):
 
     def select(self, tokens, budget, scores, options):
         raise RuntimeError("conduit_deviation selects after its layer-0 probe (ConduitDeviation.refresh)")
+
+
+class ConduitFocus(RefreshPolicy):
+    """CONDUIT's attention x value norm, with the heads weighted by focus and the budget shared among
+    the images by size (docs/methods.md, "Policies beyond the papers")."""
+
+    name = "conduit_focus"
+    uses_scores = True
+    FOCUS_POWER = 4  # sharpens the weights: one focused head outweighs many diffuse ones
+
+    def refresh(self, context: ProbingContext) -> Refreshed:
+        if context.budget == 0:
+            return Refreshed(context.recompute(torch.zeros(0, dtype=torch.long)), 0)
+        score = self.scores(context.head_attention(), context.scores.value_norms(), context.budget)
+        return Refreshed(context.recompute(per_image_top_k(score, context.tokens.image, context.budget)),
+                         context.budget)
+
+    @classmethod
+    def scores(cls, attention: torch.Tensor, value_norms: torch.Tensor, budget: int) -> torch.Tensor:
+        """attention [L, H, N], value_norms [L, N] (float32, one device) -> float32 [N]: each head's
+        share of its visual attention per token, weighted by focus^FOCUS_POWER (the share on its top
+        ``budget`` tokens), summed over layers and heads, times the layer mean of ||V||."""
+        share = attention / attention.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        focus = share.topk(min(budget, share.shape[-1]), dim=-1).values.sum(dim=-1)    # [L, H] in [0, 1]
+        return (share * focus[..., None] ** cls.FOCUS_POWER).sum(dim=(0, 1)) * value_norms.mean(dim=0)
+
+    def select(self, tokens, budget, scores, options):
+        raise RuntimeError("conduit_focus scores per head (ConduitFocus.refresh)")
+
+
+def per_image_top_k(score: torch.Tensor, image: torch.Tensor, budget: int) -> torch.Tensor:
+    """The top tokens of each image by ``score`` (float [N]), ``budget`` shared among the images in
+    proportion to their token counts by largest remainder (``image``: int64 [N], CPU): sorted int64
+    indices, CPU."""
+    image = image.cpu()
+    n_images = int(image.max()) + 1 if image.numel() else 0
+    sizes = torch.bincount(image, minlength=n_images).tolist()
+    shares = apportion([float(size) for size in sizes], budget, sizes)
+    score = score.cpu()
+    chosen = []
+    for j, k in enumerate(shares):
+        if k:
+            members = torch.nonzero(image == j).flatten()
+            chosen.append(members[top_k_indices(score[members], k)])
+    return torch.sort(torch.cat(chosen)).values if chosen else torch.zeros(0, dtype=torch.long)
