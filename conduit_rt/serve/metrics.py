@@ -33,6 +33,8 @@ class Metrics:
             self.requests.labels(outcome)
         self.prompt_tokens = Counter("conduit_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("conduit_generated_tokens", "Tokens generated", registry=r)
+        self.decode_steps = Counter("conduit_decode_steps", "Batched decode turns (one token per running request)",
+                                    registry=r)
         self.image_hits = Counter("conduit_image_kv_hits", "Images whose KV was reused", registry=r)
         self.image_misses = Counter("conduit_image_kv_misses", "Images whose KV was computed", registry=r)
         self.ttft = Histogram("conduit_time_to_first_token_seconds", "Request arrival to its first token",
@@ -53,6 +55,7 @@ class Metrics:
     def step(self, n_tokens: int, seconds: float) -> None:
         """A decode step gave ``n_tokens`` tokens (one per running request) in ``seconds``."""
         self.generated_tokens.inc(n_tokens)
+        self.decode_steps.inc()
         self.batch_size.set(n_tokens)
         if seconds > 0:
             self.tokens_per_s.set(n_tokens / seconds)
