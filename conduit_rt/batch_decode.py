@@ -15,7 +15,8 @@ import logging
 import torch
 
 from .arena import DecodeStep, KVArena, Sequence
-from .errors import ArenaFullError, InvalidArgumentError
+from .decode_graph import capture_graph
+from .errors import InvalidArgumentError
 from .models.base import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -147,25 +148,19 @@ class BatchDecoder:
         """Warms up on scratch sequences (one token each at position 0), then records the bucket's
         step over all its rows. The recording runs nothing; the step is prepared with the real batch
         before every replay."""
-        try:
-            pads = self._padding(bucket.size)
+        pads = self._padding(bucket.size)
+
+        def prepare() -> None:
             bucket.step.prepare(pads, [0] * bucket.size)
             bucket.fill(torch.zeros(bucket.size, dtype=torch.long, device=self.arena.device),
                         [0] * bucket.size, [0] * bucket.size)
-            inputs = (bucket.step, bucket.tokens, bucket.positions, bucket.rope)
-            self._forward(*inputs)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._forward(*inputs)
-            bucket.graph, bucket.logits = graph, logits
-        except ArenaFullError:  # no room for the scratch tokens now: this step runs eagerly, capture later
-            logger.debug("batched decode graph capture postponed: the arena is full")
-        except Exception as e:  # noqa: BLE001 (an op that cannot be captured, or out of memory: decode eagerly)
-            logger.warning("batched decode step not captured in a CUDA graph, running eagerly from now on: %s", e)
-            self._capture_failed = True
+
+        try:
+            bucket.graph, bucket.logits, self._capture_failed = capture_graph(
+                prepare, lambda: self._forward(bucket.step, bucket.tokens, bucket.positions, bucket.rope),
+                self.arena.device, "batched decode step")
         finally:
-            torch.cuda.current_stream(self.arena.device).synchronize()  # the warm-up used the scratch blocks
-            for pad in self._pads:
+            for pad in pads:
                 pad.truncate(0)
 
     def _grow(self, need: int) -> None:

@@ -18,7 +18,6 @@ Events cross to the client's asyncio loop through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import threading
@@ -123,7 +122,6 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="conduit-engine", daemon=True)
         self.state = EngineState()
-        self._ids = itertools.count()
 
     # -- the client's side (any thread) ---------------------------------------------------------------
     def start(self) -> None:
