@@ -129,6 +129,12 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from .serve.server import serve
+
+    return serve(args)
+
+
 def _cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
     from . import native
 
@@ -199,6 +205,35 @@ def _add_run_parser(sub) -> None:
     run.set_defaults(func=_cmd_run)
 
 
+def _add_serve_parser(sub) -> None:
+    from . import BUNDLED_MODEL
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat completions, streaming, metrics)",
+                           description="Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions "
+                           "(streamed or not), GET /v1/models, /health and /metrics. Concurrent requests decode "
+                           "together; requests the KV cache cannot hold yet wait in a bounded queue. Needs the serve "
+                           "extra: pip install 'conduit-rt[serve]'.")
+    serve.add_argument("--model", default=str(BUNDLED_MODEL), help="model.gguf, a folder holding it, or a Hugging Face "
+                       "checkpoint folder (default: the bundled quality-task model)")
+    serve.add_argument("--mmproj", default=None, help="path of mmproj.gguf (default: beside the model)")
+    serve.add_argument("--model-name", default=None, help="the model's id in the API (default: from --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default: %(default)s)")
+    serve.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="keep the image-KV store in DIR, so that it outlives the server")
+    serve.add_argument("--max-batch", type=positive_int, default=16,
+                       help="most requests decoding together (default: %(default)s)")
+    serve.add_argument("--max-queue", type=non_negative_int, default=64,
+                       help="most requests waiting for room; past it a request gets 503 (default: %(default)s)")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on the /v1 routes")
+    serve.add_argument("--allow-local-files", action="store_true",
+                       help="let requests name image files on this machine (file:// URLs and paths)")
+    serve.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: %(default)s)")
+    serve.add_argument("--kv-cache-bytes", type=positive_int, default=None,
+                       help="size of the KV arena in bytes (default: 32768 tokens' worth, at most half the free GPU memory)")
+    serve.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conduit", description="conduit-rt: a runtime for vision-language models "
                                      "that see the same images again and again",
@@ -217,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False).set_defaults(func=_cmd_bench)
     sub.add_parser("eval", help="the quality table: refresh and compression policies on replayed document-QA sessions",
                    add_help=False).set_defaults(func=_cmd_eval)
+    _add_serve_parser(sub)
     sub.add_parser("info", help="the native library's version, path and backends",
                    description="Print the native library's version, path and backends as JSON.").set_defaults(func=_cmd_info)
     return parser

@@ -21,6 +21,7 @@ gets a larger step and a new capture.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -92,21 +93,15 @@ class GraphedDecoder:
         """Warms up on a scratch sequence (one token at position 0), then records the step. The
         recording runs nothing; the step object is re-prepared with the real sequence before replay."""
         scratch = self.arena.new_sequence()
-        try:
+
+        def prepare() -> None:
             self._step.prepare([scratch], [0])
             self._fill_inputs(0, 0, 0)
-            self._forward()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._forward()
-            self._graph, self._logits = graph, logits
-        except ArenaFullError:  # no room for the scratch token now: this step runs eagerly, capture later
-            logger.debug("decode graph capture postponed: the arena is full")
-        except Exception as e:  # noqa: BLE001 (an op that cannot be captured, or out of memory: decode eagerly)
-            logger.warning("decode step not captured in a CUDA graph, running eagerly from now on: %s", e)
-            self._capture_failed = True
+
+        try:
+            self._graph, self._logits, self._capture_failed = capture_graph(prepare, self._forward, self.arena.device,
+                                                                            "decode step")
         finally:
-            torch.cuda.current_stream(self.arena.device).synchronize()  # the warm-up used the scratch blocks
             scratch.free()
 
     def _grow(self, need: int) -> None:
@@ -115,3 +110,28 @@ class GraphedDecoder:
         self._step.free()
         self._step = self.arena.new_step(1, self.capacity, self.model.config.n_heads)
         logger.debug("decode step capacity grown to %d tokens", self.capacity)
+
+
+def capture_graph(prepare: Callable[[], None], forward: Callable[[], torch.Tensor], device: torch.device,
+                  what: str) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, bool]:
+    """Runs ``prepare`` and ``forward`` once eagerly (capture must not be the first use of cuBLAS or
+    the caching allocator), then records ``forward`` into a CUDA graph. Returns (graph, its static
+    output, False); (None, None, False) when the arena had no room for the scratch tokens
+    ``prepare`` appends (capture again later); (None, None, True) when the work cannot be captured
+    (run it eagerly from now on). Ends by waiting for ``device``'s stream: the warm-up used scratch
+    blocks that the caller frees. ``what`` names the work in the log."""
+    try:
+        prepare()
+        forward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = forward()
+        return graph, output, False
+    except ArenaFullError:  # no room for the scratch tokens now: this step runs eagerly, capture later
+        logger.debug("%s graph capture postponed: the arena is full", what)
+        return None, None, False
+    except Exception as e:  # noqa: BLE001 (an op that cannot be captured, or out of memory: decode eagerly)
+        logger.warning("%s not captured in a CUDA graph, running eagerly from now on: %s", what, e)
+        return None, None, True
+    finally:
+        torch.cuda.current_stream(device).synchronize()

@@ -31,50 +31,22 @@ class Decoder:
         """Decodes after a prompt of ``first_position`` tokens whose last row gave ``logits`` (float32
         [vocab]); the first generated token sits at RoPE position ``first_rope``. Yields text pieces;
         returns the result, its ``stats`` completed (``start``: the request's perf_counter start)."""
-        detok = self.model.assets.tokenizer.detokenizer()
-        eos = self.model.assets.eos_token_ids
-        tokens: list[int] = []
+        answer = AnswerText(self.model.assets, sampling, stats, start)
         step_logits: list[torch.Tensor] | None = [] if return_logits else None
-        text, emitted = "", 0
-        finish = "length"
-        hold_back = max((len(s) for s in sampling.stop), default=1) - 1
-        decode_start = None
         sampled = self._sampled_tokens(seq, logits, first_position, first_rope, sampling, step_logits, recompress)
         try:
             for token in sampled:
-                if decode_start is None:
-                    stats.ttft_s = time.perf_counter() - start
-                    decode_start = time.perf_counter()
-                if token in eos:
-                    finish = "eos"
+                piece, ended = answer.accept(token)
+                if piece:
+                    yield piece
+                if ended:
                     break
-                tokens.append(token)
-                text += detok.push(token)
-                cut = find_stop(text, sampling.stop)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-                if len(text) - hold_back > emitted:
-                    yield text[emitted: len(text) - hold_back]
-                    emitted = len(text) - hold_back
         finally:
             sampled.close()  # undoes a step run ahead for a token that ended the answer
-        if finish != "stop":  # release characters the detokenizer held back (an unfinished byte run)
-            text += detok.flush()
-            cut = find_stop(text, sampling.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-        if len(text) > emitted:
-            yield text[emitted:]
-        end = time.perf_counter()
-        stats.decode_tokens = len(tokens)
-        stats.decode_s = end - decode_start if decode_start else 0.0
-        stats.decode_tokens_per_s = (len(tokens) - 1) / stats.decode_s if stats.decode_s > 0 and len(tokens) > 1 else 0.0
-        stats.total_s = end - start
-        stats.finish_reason = finish
-        stats.kv_bytes = seq.nbytes
-        return GenerationResult(text=text, tokens=tokens, stats=stats,
-                                logits=torch.stack(step_logits) if step_logits else None)
+        tail, result = answer.end(seq, step_logits)
+        if tail:
+            yield tail
+        return result
 
     def _sampled_tokens(self, seq: Sequence, logits: torch.Tensor, first_position: int, first_rope: int,
                         sampling: SamplingParams, step_logits: list[torch.Tensor] | None,
@@ -96,7 +68,7 @@ class Decoder:
         sampler = Sampler(sampling, self.model.device)
         readback = TokenReadback(self.model.device)
         if sampling.max_tokens == 0 and not bool(torch.isfinite(logits).all()):
-            raise self._non_finite(first_position)
+            raise self.non_finite_error(first_position)
         ahead = None  # position of a step enqueued for a token the caller has not accepted yet
         try:
             for i in range(sampling.max_tokens):
@@ -107,30 +79,30 @@ class Decoder:
                 position, rope_position = first_position + i, first_rope + i
                 more = i + 1 < sampling.max_tokens
                 if more and i > 0:
-                    logits = self._step(seq, token, position, rope_position, recompress)
+                    logits = self.step(seq, token, position, rope_position, recompress)
                     ahead = position
                 token_id, finite_logits = readback.wait()
                 if not finite_logits:
-                    raise self._non_finite(position)
+                    raise self.non_finite_error(position)
                 yield token_id
                 ahead = None
                 if more and i == 0:
-                    logits = self._step(seq, token, position, rope_position, recompress)
+                    logits = self.step(seq, token, position, rope_position, recompress)
                 if more and recompress is not None:
                     recompress.after_step(position)
         finally:
             if ahead is not None:
                 seq.truncate(ahead)
 
-    def _non_finite(self, n_tokens: int) -> NonFiniteLogitsError:
+    def non_finite_error(self, n_tokens: int) -> NonFiniteLogitsError:
         """The error for NaN or infinite logits after ``n_tokens`` tokens of the sequence."""
         return NonFiniteLogitsError(
             f"{self.source}: the model's logits after {n_tokens} tokens are NaN or infinite, so its answer "
             f"would be garbage; its weights are corrupted or overflow in {self.model.dtype}: convert the "
             "checkpoint again, or load the model in float32")
 
-    def _step(self, seq: Sequence, token: torch.Tensor, position: int, rope_position: int,
-              capture: Recompressor | None = None) -> torch.Tensor:
+    def step(self, seq: Sequence, token: torch.Tensor, position: int, rope_position: int,
+             capture: Recompressor | None = None) -> torch.Tensor:
         """One decode step: the token (int64 scalar on the device) at causal ``position`` -> next-token
         logits [vocab]. Replayed from a CUDA graph when there is one and no layer observer needs the
         eager path."""
@@ -153,3 +125,68 @@ def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     """Where the first of the stop strings starts in ``text``, or None."""
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(cuts) if cuts else None
+
+
+class AnswerText:
+    """The text of one answer as its sampled tokens arrive, one at a time (``accept``), and its
+    decode statistics (``end``).
+
+    An EOS token ends the answer without being part of it; a stop string cuts the text before it,
+    and text that could still be the start of one is held back until it cannot be; characters the
+    detokenizer holds back (an unfinished byte run) are released at the end. ``eos``: the token ids
+    that end the answer (default: the model's; empty to decode through them). ``stats`` gets the
+    time to first token at the first ``accept`` and the rest at ``end`` (``start``: the request's
+    perf_counter start)."""
+
+    def __init__(self, assets, sampling: SamplingParams, stats: GenerationStats, start: float,
+                 eos: frozenset[int] | set[int] | None = None) -> None:
+        self._detok = assets.tokenizer.detokenizer()
+        self._eos = assets.eos_token_ids if eos is None else eos
+        self._stops = sampling.stop
+        self._hold_back = max((len(s) for s in sampling.stop), default=1) - 1
+        self.stats, self._start = stats, start
+        self.tokens: list[int] = []
+        self.text, self._emitted = "", 0
+        self.finish = "length"
+        self._decode_start: float | None = None
+
+    def accept(self, token: int) -> tuple[str, bool]:
+        """Takes the next sampled token: (the text it releases, possibly empty; whether the answer
+        ended at it: EOS or a stop string)."""
+        if self._decode_start is None:
+            self.stats.ttft_s = time.perf_counter() - self._start
+            self._decode_start = time.perf_counter()
+        if token in self._eos:
+            self.finish = "eos"
+            return "", True
+        self.tokens.append(token)
+        self.text += self._detok.push(token)
+        cut = find_stop(self.text, self._stops)
+        if cut is not None:
+            self.text, self.finish = self.text[:cut], "stop"
+            return "", True
+        if len(self.text) - self._hold_back > self._emitted:
+            piece = self.text[self._emitted: len(self.text) - self._hold_back]
+            self._emitted = len(self.text) - self._hold_back
+            return piece, False
+        return "", False
+
+    def end(self, seq: Sequence, step_logits: list[torch.Tensor] | None = None) -> tuple[str, GenerationResult]:
+        """The answer is over (ended, or out of tokens): (the text not released yet, the result with
+        its statistics completed; ``seq`` is the request's sequence, ``step_logits`` each step's
+        logits on the CPU, when kept)."""
+        if self.finish != "stop":  # release characters the detokenizer held back (an unfinished byte run)
+            self.text += self._detok.flush()
+            cut = find_stop(self.text, self._stops)
+            if cut is not None:
+                self.text, self.finish = self.text[:cut], "stop"
+        tail, self._emitted = self.text[self._emitted:], len(self.text)
+        end, stats, n = time.perf_counter(), self.stats, len(self.tokens)
+        stats.decode_tokens = n
+        stats.decode_s = end - self._decode_start if self._decode_start else 0.0
+        stats.decode_tokens_per_s = (n - 1) / stats.decode_s if stats.decode_s > 0 and n > 1 else 0.0
+        stats.total_s = end - self._start
+        stats.finish_reason = self.finish
+        stats.kv_bytes = seq.nbytes
+        return tail, GenerationResult(text=self.text, tokens=self.tokens, stats=stats,
+                                      logits=torch.stack(step_logits) if step_logits else None)

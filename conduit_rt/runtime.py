@@ -1,6 +1,7 @@
 """The Runtime: load a converted model and answer chat requests on the native KV arena.
 
-The request path (``Runtime._answer``), one part per step:
+The request path (``Runtime.start`` for steps 1-4, then the decoder, then ``Runtime.finish``; one
+generator, ``Runtime._answer``, for ``generate`` and ``stream``), one part per step:
   1. request: messages -> chat template -> token ids and segments; images -> pixels -> identity and
      tower input; RoPE positions                                    (request.RequestReader)
   2. plan: the exact prefix already in the arena (a chat session's sequence or the prefix cache),
@@ -94,6 +95,23 @@ class _Prefilled:
     logits: torch.Tensor
     stats: GenerationStats
     capture: PassCapture
+
+
+@dataclass(frozen=True, slots=True)
+class StartedRequest:
+    """A request read, prefilled and compressed, ready to decode (``Runtime.start``): its sequence
+    (the prompt's KV), the last prompt token's logits (float32 [vocab]), its statistics so far, the
+    decode steps' re-compression (None: none asked for), and ``start``, its perf_counter start. The
+    first generated token goes at causal position ``request.n_tokens``, RoPE position
+    ``request.next_rope``."""
+
+    request: Request
+    options: GenerationOptions
+    seq: Sequence
+    logits: torch.Tensor
+    stats: GenerationStats
+    recompress: Recompressor | None
+    start: float
 
 
 class Runtime:
@@ -263,8 +281,11 @@ class Runtime:
         _OPEN_RUNTIMES.discard(self)
 
     # -- the request path -----------------------------------------------------------------------------
-    def _answer(self, messages: list[dict], options: GenerationOptions,
-                held: HeldSequence | None) -> Generator[str, None, GenerationResult]:
+    def start(self, messages: list[dict], options: GenerationOptions,
+              held: HeldSequence | None = None) -> StartedRequest:
+        """Steps 1-4 of the request path (read, plan, prefill, compress) without decoding; hold
+        ``lock`` around it. The caller decodes (``decoder``) and then gives the request back with
+        ``finish``. Nothing stays allocated when it raises."""
         start = time.perf_counter()
         request = self.requests.read(messages)                                          # 1
         check_request_fits(request, options, self.model.config, self.arena)  # nothing allocated yet
@@ -273,22 +294,40 @@ class Runtime:
         except ArenaFullError:  # kept prefixes may hold the room: drop them and try once more
             self.planner.prefix_cache.clear()
             prefilled = self._prefill(request, options, held)
-        result, whole = None, False
         try:
             recompress = self._compress(request, prefilled, options)                     # 4
-            result = yield from self.decoder.run(prefilled.seq, prefilled.logits, request.n_tokens,  # 5
+        except BaseException:
+            if not self.arena.closed:
+                prefilled.seq.free()
+            raise
+        return StartedRequest(request, options, prefilled.seq, prefilled.logits, prefilled.stats, recompress, start)
+
+    def finish(self, started: StartedRequest, result: GenerationResult | None, whole: bool,
+               held: HeldSequence | None = None) -> None:
+        """Ends a started request; hold ``lock`` around it. ``whole``: its sequence holds the prompt
+        and the tokens decoded so far exactly (the answer ended, or its stream was closed between
+        steps), so it goes to ``held`` or the prefix cache; otherwise (a step failed, its KV may be
+        half written) it is freed. ``result``: the answer, None when it did not finish."""
+        if whole:
+            self._give_back(started.seq, started.request, started.options, result, held)
+        elif not self.arena.closed:  # a failed step may have left KV half written: freed, never an exact prefix
+            started.seq.free()
+
+    def _answer(self, messages: list[dict], options: GenerationOptions,
+                held: HeldSequence | None) -> Generator[str, None, GenerationResult]:
+        started = self.start(messages, options, held)                                   # 1-4
+        request, result, whole = started.request, None, False
+        try:
+            result = yield from self.decoder.run(started.seq, started.logits, request.n_tokens,  # 5
                                                  request.next_rope, options.sampling(), options.return_logits,
-                                                 prefilled.stats, start, recompress)
+                                                 started.stats, started.start, started.recompress)
             whole = True
             return result
         except GeneratorExit:  # the caller closed the stream: the KV decoded so far is whole
             whole = True
             raise
         finally:
-            if whole:
-                self._give_back(prefilled.seq, request, options, result, held)
-            elif not self.arena.closed:  # a failed step may have left KV half written: freed, never an exact prefix
-                prefilled.seq.free()
+            self.finish(started, result, whole, held)
 
     def _give_back(self, seq: Sequence, request: Request, options: GenerationOptions,
                    result: GenerationResult | None, held: HeldSequence | None) -> None:

@@ -19,10 +19,11 @@ LAYERS = [
     (2, "arena", ["arena", "topk"]),
     (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "tokenizer", "chat", "sampling",
                                "models", "selection", "refresh", "compress", "image_cache", "disk_cache", "disk_entry",
-                               "prefix_cache", "decode_graph", "prefill_graph", "convert"]),
+                               "prefix_cache", "decode_graph", "batch_decode", "prefill_graph", "convert"]),
     (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",
                     "prefill", "limits"]),
-    (5, "applications", ["cli", "demo", "evaluation", "evaluation.recall", "bench", "convert.cli", "convert.__main__"]),
+    (5, "applications", ["cli", "demo", "evaluation", "evaluation.recall", "bench", "convert.cli", "convert.__main__",
+                         "serve"]),
 ]
 
 
