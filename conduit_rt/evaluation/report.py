@@ -150,10 +150,18 @@ def comparisons_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _compared(comparison: dict, method: str) -> str:
+    """How a comparison is named in a sentence about ``method``: "attention" for the method's own
+    (method vs B), "`conduit_focus` over `conduit`" for a policy beyond the papers against it."""
+    a, b = comparison["label"].split(" vs ", 1)
+    return b if a == method else f"`{a}` over `{b}`"
+
+
 def comparison_notes(results: dict, kind: str, level: float) -> str:
     """The comparisons at one budget or keep ratio as a clause: "paired: vs `attention` +4.2 [1.1, 7.3] points (CI excludes 0)"."""
     found = [c for c in results.get("comparisons", []) if c["kind"] == kind and abs(c["level"] - level) < 1e-9]
-    parts = [f"{c['label'].split(' vs ', 1)[1]} {_difference(c)} points "
+    method = "conduit" if kind == "refresh" else "vlcache"
+    parts = [f"{_compared(c, method)} {_difference(c)} points "
              f"({'CI excludes 0' if c['excludes_zero'] else 'CI includes 0'})" for c in found]
     return ("; paired differences over the same requests: " + ", ".join(parts)) if parts else ""
 
