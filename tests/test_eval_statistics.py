@@ -4,12 +4,14 @@ standard errors and against the truth of synthetic paired data built to have it,
 comparisons recovering a planted difference, and the per-family scores against direct counts."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from conduit_rt.evaluation.comparisons import paired_comparisons
+from conduit_rt.evaluation.comparisons import main as comparisons_main
+from conduit_rt.evaluation.comparisons import outcomes, pair_from_results, paired_comparisons
 from conduit_rt.evaluation.metrics import SettingScores
 from conduit_rt.evaluation.replay import REFERENCE_KEY, build_settings
 from conduit_rt.evaluation.report import tables_markdown
@@ -293,6 +295,28 @@ def test_policies_beyond_the_papers_are_set_against_the_method_and_never_count_a
         ("refresh:conduit@0.1", "refresh:attention@0.1", "conduit vs attention"),
         ("refresh:conduit@0.1", "refresh:attention@0.1", "conduit vs best baseline (attention)"),
         ("refresh:conduit_rescore@0.1", "refresh:conduit@0.1", "conduit_rescore vs conduit"),
+        ("refresh:conduit_rescore@0.1", "refresh:attention@0.1", "conduit_rescore vs best baseline (attention)"),
         ("compress:vlcache@0.1", "compress:snapkv@0.1", "vlcache vs best baseline (snapkv)"),
         ("compress:vlcache_all@0.1", "compress:vlcache@0.1", "vlcache_all vs vlcache"),
+        ("compress:vlcache_all@0.1", "compress:snapkv@0.1", "vlcache_all vs best baseline (snapkv)"),
     ]
+
+
+def test_outcomes_let_any_two_settings_be_paired_afterwards(tmp_path, capsys):
+    settings = build_settings(["none", "attention", "conduit"], [0.1], ["snapkv", "vlcache"], [0.1], together=None)
+    rates = {REFERENCE_KEY: 0.95, "refresh:none@0": 0.2, "refresh:attention@0.1": 0.5, "refresh:conduit@0.1": 0.6,
+             "compress:snapkv@0.1": 0.4, "compress:vlcache@0.1": 0.45}
+    scores = planted_scores(settings, rates)
+    results = {"outcomes": outcomes(scores)}
+    assert set(results["outcomes"]) == set(scores) and all(len(v) == 400 for v in results["outcomes"].values())
+    pair = pair_from_results(results, "refresh:none@0", "compress:vlcache@0.1")  # not a pair the report makes
+    direct = paired_difference(scores["refresh:none@0"].correct, scores["compress:vlcache@0.1"].correct)
+    assert pair["difference"] == pytest.approx(np.mean(scores["refresh:none@0"].correct)
+                                               - np.mean(scores["compress:vlcache@0.1"].correct), abs=1e-12)
+    assert pair["ci"] == [direct.low, direct.high] and pair["excludes_zero"] == direct.excludes_zero
+    with pytest.raises(KeyError, match="refresh:conduit_focus@0.1"):
+        pair_from_results(results, "refresh:conduit_focus@0.1", "refresh:attention@0.1")
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert comparisons_main([str(path), "refresh:conduit@0.1", "refresh:attention@0.1"]) == 0
+    assert "over 400 requests" in capsys.readouterr().out

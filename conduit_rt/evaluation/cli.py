@@ -25,7 +25,7 @@ from ..cli import (DEVICE_HELP, fractions, names_from, non_negative_float, non_n
 from ..errors import ModelFormatError
 from ..extras import pyplot
 from . import report, statistics
-from .comparisons import paired_comparisons
+from .comparisons import outcomes, paired_comparisons
 from .replay import REFERENCE_KEY, build_settings
 from .shards import replay_all
 
@@ -148,6 +148,9 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
                        "pct_of_full_ci": "percentile bootstrap over requests, paired with the full prefill",
                        "comparisons_ci": "percentile bootstrap over requests of the paired difference"},
         "comparisons": paired_comparisons(settings, scores),
+        # per request, in replay order: its family and page count, and each setting's exact match
+        "requests": {"families": reference.families, "pages": reference.pages},
+        "outcomes": outcomes({setting.key: scores[setting.key] for setting in settings}),
     }
 
 

@@ -3,7 +3,7 @@
 At every refresh budget measured, CONDUIT against ``attention`` (CONDUIT's score without value
 norms and image amplification, docs/methods.md §1) and against the best other refresh baseline; at
 every keep ratio measured, VL-Cache against the best other compression policy; and each policy
-beyond the papers (``BEYOND``) against the method of its family. "Best" is the baseline with the highest accuracy at that
+beyond the papers (``BEYOND``) against the method of its family and against the same best baseline. "Best" is the baseline with the highest accuracy at that
 budget or keep ratio on these requests (ties: the first measured); ``full`` and
 ``none`` are not baselines (they bound every policy from above and below), nor is compression
 ``none`` (the whole cache). Choosing the best on the same requests favours the baseline, so a
@@ -11,11 +11,17 @@ difference that excludes zero against it is, if anything, understated.
 
 Each comparison is a ``statistics.paired_difference`` of exact match over the same requests, with
 its 95% bootstrap interval; ``excludes_zero`` says whether the two settings differ at that
-confidence.
+confidence. results.json also keeps every setting's per-request outcomes (``outcomes``), so any two
+settings of a run can be paired afterwards:
+
+    python -m conduit_rt.evaluation.comparisons results.json refresh:conduit_focus@0.1 refresh:attention@0.1
 """
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from .metrics import SettingScores
 from .replay import Setting
@@ -75,4 +81,47 @@ def paired_comparisons(settings: Sequence[Setting], scores: dict[str, SettingSco
                 out.append(compare(f"{method} vs best baseline ({_policy(best)})", kind, level, ours, best, scores))
             for challenger in (s for s in at_level if _policy(s) in BEYOND[kind]):
                 out.append(compare(f"{_policy(challenger)} vs {method}", kind, level, challenger, ours, scores))
+                if best is not None:
+                    out.append(compare(f"{_policy(challenger)} vs best baseline ({_policy(best)})", kind, level,
+                                       challenger, best, scores))
     return [entry for entry in out if entry is not None]
+
+
+def outcomes(scores: dict[str, SettingScores]) -> dict[str, str]:
+    """Each setting's per-request exact match as a string of 0s and 1s, in replay order (results.json)."""
+    return {key: "".join("1" if correct else "0" for correct in score.correct) for key, score in scores.items()}
+
+
+def pair_from_results(results: dict, a: str, b: str) -> dict:
+    """The paired difference a - b (exact match over the same requests) from a results dict's
+    ``outcomes``; KeyError names a setting the run did not measure."""
+    found = results.get("outcomes", {})
+    for key in (a, b):
+        if key not in found:
+            raise KeyError(f"{key!r} is not in the run's outcomes; measured: {', '.join(sorted(found)) or 'none'}")
+    difference = paired_difference([c == "1" for c in found[a]], [c == "1" for c in found[b]])
+    if difference is None:
+        raise KeyError(f"{a!r} and {b!r} answered no requests")
+    return {"a": a, "b": b, **difference.as_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conduit_rt.evaluation.comparisons",
+                                     description="Pair two settings of a `conduit eval` run over the same requests.")
+    parser.add_argument("results", type=Path, help="results.json of a `conduit eval` run")
+    parser.add_argument("a", help="a setting key, e.g. refresh:conduit_focus@0.1")
+    parser.add_argument("b", help="the setting to subtract, e.g. refresh:attention@0.1")
+    args = parser.parse_args(argv)
+    try:
+        pair = pair_from_results(json.loads(args.results.read_text()), args.a, args.b)
+    except KeyError as error:
+        parser.error(str(error.args[0]))
+    low, high = pair["ci"]
+    print(f"{args.a} - {args.b}: {100 * pair['difference']:+.1f} points "
+          f"[{100 * low:+.1f}, {100 * high:+.1f}] over {pair['n']} requests "
+          f"({'CI excludes 0' if pair['excludes_zero'] else 'CI includes 0'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -152,9 +152,13 @@ def comparisons_table(results: dict) -> str:
 
 def _compared(comparison: dict, method: str) -> str:
     """How a comparison is named in a sentence about ``method``: "attention" for the method's own
-    (method vs B), "`conduit_focus` over `conduit`" for a policy beyond the papers against it."""
+    (method vs B), "`conduit_focus` over `conduit`" for a policy beyond the papers against it (or
+    over the best baseline)."""
     a, b = comparison["label"].split(" vs ", 1)
-    return b if a == method else f"`{a}` over `{b}`"
+    if a == method:
+        return b
+    best = b.removeprefix("best baseline (").removesuffix(")")
+    return f"`{a}` over `{b}`" if best == b else f"`{a}` over the best baseline (`{best}`)"
 
 
 def comparison_notes(results: dict, kind: str, level: float) -> str:
