@@ -89,7 +89,7 @@ def test_every_option_and_subcommand_has_help():
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     for choice in sub._choices_actions:
         assert choice.help, choice.dest
-    assert set(sub.choices) == {"convert", "run", "demo", "bench", "eval", "info"}
+    assert set(sub.choices) == {"convert", "run", "demo", "bench", "eval", "info", "serve"}
     for name, parser in _parsers().items():
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -97,7 +97,7 @@ def test_every_option_and_subcommand_has_help():
             assert action.help and action.help != argparse.SUPPRESS, (name, action.option_strings or action.dest)
 
 
-@pytest.mark.parametrize("command", ["convert", "run", "demo", "bench", "eval", "info"])
+@pytest.mark.parametrize("command", ["convert", "run", "demo", "bench", "eval", "info", "serve"])
 def test_command_help_lists_every_option(command, capsys):
     assert status_of([command, "--help"]) == 0
     out = capsys.readouterr().out
