@@ -80,7 +80,7 @@ def test_version_prints_the_package_and_library_versions(capsys):
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     top = conduit_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
-    return {"conduit": top, "run": sub.choices["run"], "info": sub.choices["info"],
+    return {"conduit": top, "run": sub.choices["run"], "info": sub.choices["info"], "serve": sub.choices["serve"],
             **{name: build() for name, build in SUBCOMMAND_PARSERS.items()}}
 
 
