@@ -12,8 +12,11 @@ import pytest
 
 from conduit_rt import reuse
 from conduit_rt.bench import report as bench_report
+from conduit_rt.bench import serve
 from conduit_rt.bench.breakdown import PHASES, PhaseClock
+from conduit_rt.bench.config import make_config
 from conduit_rt.bench.targets import ROW_FIELDS, ROW_KEYS, at_least, at_most
+from conduit_rt.bench.timing import Timer
 from conduit_rt.cli import main
 
 KERNEL_RUNS = ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill", "scoring", "topk")
@@ -72,6 +75,35 @@ def test_end_to_end_runs_are_all_reported(report):
     assert long["full"]["prompt_tokens"] == report[2]["config"]["e2e"]["long_context"]
     for run in MEMORY_RUNS:
         assert set(memory[run]) >= {"torch_peak_bytes", "arena_bytes", "total_bytes"}
+
+
+@pytest.fixture(scope="module")
+def serve_run():
+    """The serve section alone at the quick sizes on the CPU (a copy bandwidth of 1e10 B/s assumed)."""
+    config = make_config("cpu", quick=True)
+    raw, rows, errors = serve.run(config.serve, config.e2e, Timer(config.device, 1, 3), config.dtype, 1e10)
+    return config.serve, raw, rows, errors
+
+
+def test_serve_section_answers_every_request_whole(serve_run):
+    sizes, raw, rows, errors = serve_run
+    assert errors == {}
+    assert list(raw["clients"]) == [str(n) for n in sizes.clients]
+    for run in raw["clients"].values():
+        assert run["lost"] == 0 and run["errors"] == []
+        assert run["requests"] == run["clients"] * sizes.requests_per_client
+        assert run["tokens"] == run["requests"] * sizes.max_tokens
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] and run["tokens_per_s"] > 0
+    assert raw["batch_step"]["batch"] == sizes.scaling_clients and raw["batch_step"]["tokens_per_s"] > 0
+    restart = raw["restart"]
+    assert restart["in_memory"]["image_hits"] == sizes.n_images and restart["in_memory"]["image_disk_hits"] == 0
+    assert restart["restarted"]["image_disk_hits"] == sizes.n_images  # loaded from the folder, not computed
+    assert [r.key for r in rows] == ["serve.throughput", "serve.no_loss", "serve.batch_step.vs_bound",
+                                     "serve.restart_ttft"]
+    for row in rows:
+        assert math.isfinite(row.measured) and math.isfinite(row.reference) and math.isfinite(row.ratio), row.key
+    no_loss = rows[1]
+    assert no_loss.passed and no_loss.measured == no_loss.reference == raw["clients"][str(max(sizes.clients))]["requests"]
 
 
 def test_markdown_page_and_plots(report):

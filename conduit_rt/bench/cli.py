@@ -1,6 +1,7 @@
 """``conduit bench`` / ``python3 -m conduit_rt.bench``: measure, compare, write the report.
 
-Order: ceilings (copy bandwidth, matmul rate), kernels, scoring and top-k, end to end. A section
+Order: ceilings (copy bandwidth, matmul rate), kernels, scoring and top-k, end to end, the server's
+scheduler under concurrent clients (serve). A section
 that raises is recorded in the JSON (``errors``) and its rows are reported as not measured; the
 other sections still run. The exit status is 0 whether targets pass or not (this is a measurement,
 not a test); it is 2 when a section could not run, and 1 when the run cannot start (no such device,
@@ -31,7 +32,10 @@ from .timing import Timer
 
 logger = logging.getLogger("conduit_rt.bench")
 
-SECTIONS = ("kernels", "scoring", "e2e")  # after the ceilings, which always run
+SECTIONS = ("kernels", "scoring", "e2e", "serve")  # after the ceilings, which always run
+# what a missing serve extra says (checked before the run starts)
+SERVE_EXTRA = {"extra": "serve", "command": "conduit bench", "purpose": "for its serve section",
+               "otherwise": "leave that section out with --skip serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +82,13 @@ def _section(name: str, errors: dict[str, str], fn: Callable[[], object]):
             torch.cuda.empty_cache()
 
 
+def _serve(config: BenchConfig, timer: Timer, copy_bw: float):
+    """The serve section, imported here: it needs the serve extra (checked before the run)."""
+    from . import serve
+
+    return serve.run(config.serve, config.e2e, timer, config.dtype, copy_bw)
+
+
 def run(config: BenchConfig, skip: list[str], command: str, progress: bool = False) -> tuple[dict, list[Target]]:
     """Every section; returns the result dict (what the JSON holds) and the target rows. ``progress``:
     a bar over the sections on stderr."""
@@ -85,7 +96,7 @@ def run(config: BenchConfig, skip: list[str], command: str, progress: bool = Fal
     torch.manual_seed(0)
     timer = Timer(config.device, config.warmup, config.repeat)
     result: dict = {"command": command, "environment": environment(config), "config": config.as_dict(),
-                    "kernels": {}, "e2e": {}, "memory": {}, "errors": {}, "skipped": list(skip)}
+                    "kernels": {}, "e2e": {}, "serve": {}, "memory": {}, "errors": {}, "skipped": list(skip)}
     errors, rows = result["errors"], []
     sections = [name for name in SECTIONS if name not in skip]
     with tqdm(total=1 + len(sections), desc="bench", unit="section", disable=not progress) as bar:
@@ -96,7 +107,8 @@ def run(config: BenchConfig, skip: list[str], command: str, progress: bool = Fal
         n_keys = config.kernels.n_text_before + config.kernels.n_visual + config.kernels.n_text_queries
         measure = {"kernels": lambda: kernels.run(timer, config.kernels, config.dtype, copy_bw),
                    "scoring": lambda: scoring.run(timer, config.kernels, config.dtype),
-                   "e2e": lambda: e2e.run(config.e2e, timer, config.dtype, copy_bw, n_keys)}
+                   "e2e": lambda: e2e.run(config.e2e, timer, config.dtype, copy_bw, n_keys),
+                   "serve": lambda: _serve(config, timer, copy_bw)}
         for name in sections:
             bar.set_postfix_str(name)
             found = _section(name, errors, measure[name])
@@ -105,6 +117,8 @@ def run(config: BenchConfig, skip: list[str], command: str, progress: bool = Fal
                 continue
             if name == "e2e":  # (raw numbers, rows, peak memory per run, stage errors)
                 result["e2e"], section_rows, result["memory"], section_errors = found
+            elif name == "serve":  # (raw numbers, rows, stage errors)
+                result["serve"], section_rows, section_errors = found
             else:  # (numbers by kernel, rows, errors)
                 numbers, section_rows, section_errors = found
                 result["kernels"].update(numbers)
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     pyplot(**report.PLOTTING)  # the extras, before the run rather than after it
     if "e2e" not in args.skip:
         require("transformers", **synthetic.TWIN)
+    if "serve" not in args.skip:
+        require("prometheus_client", **SERVE_EXTRA)
     config = make_config(str(device), args.quick)
     command = "python3 -m conduit_rt.bench " + " ".join(shlex.quote(a) for a in argv)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it

@@ -53,11 +53,28 @@ class E2ESizes:
 
 
 @dataclass(frozen=True, slots=True)
+class ServeSizes:
+    """The serve section: the server's scheduler (``serve.engine.Engine``) on the end-to-end model,
+    with ``n_images`` images per request (the end-to-end section's text lengths)."""
+
+    clients: tuple[int, ...] = (1, 4, 16, 64)  # concurrent clients of each run
+    scaling_clients: int = 16        # decode throughput here vs one client; the batched step's batch
+    requests_per_client: int = 4     # requests each client sends, one after another
+    max_tokens: int = 128            # tokens generated per request
+    n_images: int = 2
+    max_batch: int = 64              # requests the engine decodes together
+    kv_cache_bytes: int = 64 << 30
+    image_cache_bytes: int = 4 << 30
+    restarts: int = 3                # Runtimes started again over the cache folder (median TTFT)
+
+
+@dataclass(frozen=True, slots=True)
 class BenchConfig:
     device: torch.device
     dtype: torch.dtype
     kernels: KernelSizes
     e2e: E2ESizes
+    serve: ServeSizes = ServeSizes()
     warmup: int = 3
     repeat: int = 20
     ceiling_copy_bytes: int = 2 << 30
@@ -68,7 +85,8 @@ class BenchConfig:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "quick": self.quick,
                 "warmup": self.warmup, "repeat": self.repeat, "ceiling_copy_bytes": self.ceiling_copy_bytes,
                 "ceiling_matmul_n": self.ceiling_matmul_n, "kernels": dataclasses.asdict(self.kernels),
-                "e2e": dataclasses.asdict(self.e2e)}
+                "e2e": dataclasses.asdict(self.e2e),
+                "serve": dataclasses.asdict(self.serve)}
 
 
 QUICK_KERNELS = KernelSizes(n_heads=8, n_kv_heads=2, head_dim=64, decode_length=256, long_decode_length=512, batch=2,
@@ -78,6 +96,8 @@ QUICK_KERNELS = KernelSizes(n_heads=8, n_kv_heads=2, head_dim=64, decode_length=
 QUICK_E2E = E2ESizes(shape="tiny", n_images=3, prefix_words=4, question_words=8, decode_context=96, decode_tokens=4,
                      long_context=192, long_decode_tokens=4, repeats=1, decode_repeats=1,
                      kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
+QUICK_SERVE = ServeSizes(clients=(1, 2, 4), scaling_clients=4, requests_per_client=2, max_tokens=4, max_batch=4,
+                         kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20, restarts=1)
 
 
 def make_config(device: str, quick: bool) -> BenchConfig:
@@ -90,5 +110,5 @@ def make_config(device: str, quick: bool) -> BenchConfig:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not quick:
         return BenchConfig(dev, dtype, KernelSizes(), E2ESizes())
-    return BenchConfig(dev, dtype, QUICK_KERNELS, QUICK_E2E, warmup=1, repeat=3, ceiling_copy_bytes=16 << 20,
+    return BenchConfig(dev, dtype, QUICK_KERNELS, QUICK_E2E, QUICK_SERVE, warmup=1, repeat=3, ceiling_copy_bytes=16 << 20,
                        ceiling_matmul_n=256, quick=True)

@@ -19,7 +19,6 @@ random): every run generates the length asked for.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -27,12 +26,11 @@ import torch
 from conduit_rt.chat import build_prompt
 from conduit_rt.image_cache import DecodedImages, EmbeddingCache
 from conduit_rt.models.base import ForwardBatch
-from conduit_rt.models.random_init import random_llava
 from conduit_rt.preprocess import image_key, to_rgb_array
 from conduit_rt.reuse import CHUNK
 from conduit_rt.runtime import Runtime
 
-from . import synthetic
+from . import synthetic, workload
 from .breakdown import PhaseClock
 from .config import E2ESizes
 from .decode import decode_runs, vlcache
@@ -46,16 +44,11 @@ logger = logging.getLogger(__name__)
 class EndToEnd:
     def __init__(self, sizes: E2ESizes, timer: Timer, dtype: torch.dtype) -> None:
         self.s, self.timer, self.device = sizes, timer, timer.device
-        text, vision = synthetic.llava_configs(sizes.shape, max_positions=max(65536, 2 * sizes.long_context))
-        model = random_llava(text, vision, self.device, dtype, seed=0)
-        model.assets = dataclasses.replace(model.assets, eos_token_ids=frozenset())  # always the asked length
-        self.model, self.vocab = model, text.vocab_size
-        self.runtime = Runtime.from_model(model, kv_cache_bytes=sizes.kv_cache_bytes,
+        work = workload.build(sizes, self.device, dtype)
+        self.model, self.vocab = work.model, work.vocab
+        self.runtime = Runtime.from_model(work.model, kv_cache_bytes=sizes.kv_cache_bytes,
                                           image_cache_bytes=sizes.image_cache_bytes)
-        self.images = synthetic.random_images(sizes.n_images, vision.image_size, seed=10)
-        shuffled = [self.images[i] for i in torch.randperm(sizes.n_images, generator=torch.Generator().manual_seed(4))]
-        self.first = synthetic.image_request(self.images, sizes.prefix_words, sizes.question_words, self.vocab, 1)
-        self.second = synthetic.image_request(shuffled, sizes.prefix_words + 3, sizes.question_words, self.vocab, 2)
+        self.images, self.first, self.second = work.images, work.first, work.second
         self.memory: dict[str, dict] = {}
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -200,7 +193,14 @@ def decode_bound(raw: dict, copy_bytes_per_s: float) -> float:
     """Tokens/s if every step read the weights and the mean context's KV at the copy bandwidth."""
     d, m = raw["decode"]["ours"], raw["model"]
     mean_context = d["prompt_tokens"] + d["tokens"] / 2
-    return copy_bytes_per_s / (m["weight_bytes_per_token"] + mean_context * m["kv_bytes_per_token"])
+    return step_bound(copy_bytes_per_s, m["weight_bytes_per_token"], m["kv_bytes_per_token"], mean_context)
+
+
+def step_bound(copy_bytes_per_s: float, weight_bytes: int, kv_bytes_per_token: int, mean_context: float,
+               batch: int = 1) -> float:
+    """Tokens/s of decode steps over ``batch`` sequences of ``mean_context`` tokens if each step read
+    the weights once and every sequence's KV at the copy bandwidth (one token per sequence a step)."""
+    return batch * copy_bytes_per_s / (weight_bytes + batch * mean_context * kv_bytes_per_token)
 
 
 def rows(raw: dict) -> list[Target]:

@@ -124,7 +124,8 @@ def markdown(result: dict, rows: list[Target]) -> str:
         name = f"{r.name}<br><sub>{r.detail}</sub>" if r.detail else r.name
         lines.append(f"| {name} | {fmt(r.measured)} | {fmt(r.reference)} | {r.unit} | {fmt(r.ratio)} | "
                      f"{r.ratio_is} | {r.target} | {'pass' if r.passed else '**FAIL**'} |")
-    lines += ["", *_breakdown_section(result), "", *_memory_section(result), "", *_method_section(), "",
+    lines += ["", *_breakdown_section(result), "", *_serve_section(result), "", *_memory_section(result), "",
+              *_method_section(), "",
               *_rows_section()]
     for plot in result.get("plots", []):
         lines += ["", f"![{Path(plot).stem}]({plot})"]
@@ -147,6 +148,21 @@ def _breakdown_section(result: dict) -> list[str]:
     lines += ["", "Untimed TTFT (ms): " + ", ".join(
         f"{k} {fmt(reuse[k]['ttft_s'] * 1e3)}" for k in ("warm_conduit", "warm_full", "cold_conduit", "cold_full"))
         + " (cold: empty embedding and image-KV caches, vision tower included)."]
+    return lines
+
+
+def _serve_section(result: dict) -> list[str]:
+    """The serve section's client runs: one line per client count."""
+    runs = result.get("serve", {}).get("clients")
+    if not runs:
+        return ["## Serving concurrent clients", "", "(the serve section did not run)"]
+    lines = ["## Serving concurrent clients", "",
+             "The server's scheduler driven in-process (no HTTP); TTFT counts the wait for admission.", "",
+             "| clients | requests | lost | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in runs.values():
+        lines.append(f"| {run['clients']} | {run['requests']} | {run['lost']} | {fmt(run['tokens_per_s'])} | "
+                     f"{fmt(run['ttft_p50_s'] * 1e3)} | {fmt(run['ttft_p99_s'] * 1e3)} |")
     return lines
 
 
