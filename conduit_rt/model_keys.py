@@ -13,7 +13,7 @@ from gguf import Keys
 
 from conduit_rt import gguf_names as names
 from conduit_rt.gguf_keys import KeyReader
-from conduit_rt.model_config import QwenVisionConfig, TextModelConfig, VisionModelConfig
+from conduit_rt.model_config import InternVLVisionConfig, QwenVisionConfig, TextModelConfig, VisionModelConfig
 
 def read_text_config(keys: KeyReader, tensor_names: set[str], arch: str = names.LLAMA_ARCH) -> TextModelConfig:
     """The text hyperparameters and tokenizer from a ``model.gguf``'s keys (``{arch}.*``);
@@ -116,6 +116,31 @@ def read_qwen_vision_config(keys: KeyReader, n_tensors: int) -> QwenVisionConfig
         window_size=keys.int(vision.WINDOW_SIZE, default=112 if is_qwen25 else 0),
         fullatt_block_indexes=_full_attention_blocks(keys, n_tensors) if is_qwen25 else (),
         rope_theta=keys.float(names.ConduitKeys.VISION_ROPE_THETA, default=10000.0),
+        **_preprocessing_and_source(keys, preprocessor),
+    )
+
+
+def read_internvl_vision_config(keys: KeyReader, n_tensors: int) -> InternVLVisionConfig:
+    """InternVL's tower, projector and preprocessing from an ``mmproj.gguf``'s keys (``n_tensors``:
+    the file's tensor count, which bounds the block count). llama.cpp's files say the tower's
+    activation with ``clip.use_gelu`` / ``clip.use_silu`` and have no projector activation key (GELU)."""
+    vision = Keys.ClipVision
+    preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
+    default_act = "silu" if keys.bool(vision.USE_SILU, default=False) else "gelu"
+    return InternVLVisionConfig(
+        projector_type=keys.str(Keys.Clip.PROJECTOR_TYPE),
+        image_size=keys.int(vision.IMAGE_SIZE),
+        patch_size=keys.int(vision.PATCH_SIZE),
+        num_channels=3,
+        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
+        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
+        num_hidden_layers=keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
+        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
+        layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
+        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default=default_act),
+        projector_hidden_act=keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
+        projection_dim=keys.int(vision.PROJECTION_DIM),
+        scale_factor=keys.int(vision.Projector.SCALE_FACTOR, default=2),
         **_preprocessing_and_source(keys, preprocessor),
     )
 
