@@ -75,20 +75,11 @@ def read_vision_config(keys: KeyReader, n_tensors: int) -> VisionModelConfig:
     use_gelu = keys.bool(vision.USE_GELU, default=False)
     preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
     return VisionModelConfig(
-        projector_type=keys.str(Keys.Clip.PROJECTOR_TYPE),
-        image_size=keys.int(vision.IMAGE_SIZE),
-        patch_size=keys.int(vision.PATCH_SIZE),
-        num_channels=3,
-        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
-        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
-        num_hidden_layers=keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
-        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
         layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS),
         hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default="gelu" if use_gelu else "quick_gelu"),
-        projector_hidden_act=keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
-        projection_dim=keys.int(vision.PROJECTION_DIM),
         feature_layer=keys.int(names.ConduitKeys.FEATURE_LAYER, default=-2),
         feature_select_strategy=keys.str(names.ConduitKeys.FEATURE_SELECT, default="default"),
+        **_fixed_size_tower(keys, n_tensors),
         **_preprocessing_and_source(keys, preprocessor),
     )
 
@@ -128,21 +119,29 @@ def read_internvl_vision_config(keys: KeyReader, n_tensors: int) -> InternVLVisi
     preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
     default_act = "silu" if keys.bool(vision.USE_SILU, default=False) else "gelu"
     return InternVLVisionConfig(
-        projector_type=keys.str(Keys.Clip.PROJECTOR_TYPE),
-        image_size=keys.int(vision.IMAGE_SIZE),
-        patch_size=keys.int(vision.PATCH_SIZE),
-        num_channels=3,
-        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
-        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
-        num_hidden_layers=keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
-        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
         layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
         hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default=default_act),
-        projector_hidden_act=keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
-        projection_dim=keys.int(vision.PROJECTION_DIM),
         scale_factor=keys.int(vision.Projector.SCALE_FACTOR, default=2),
+        **_fixed_size_tower(keys, n_tensors),
         **_preprocessing_and_source(keys, preprocessor),
     )
+
+
+def _fixed_size_tower(keys: KeyReader, n_tensors: int) -> dict:
+    """The fields of a ViT over fixed-size inputs with a projector (LLaVA's CLIP, InternViT's tiles)."""
+    vision = Keys.ClipVision
+    return {
+        "projector_type": keys.str(Keys.Clip.PROJECTOR_TYPE),
+        "image_size": keys.int(vision.IMAGE_SIZE),
+        "patch_size": keys.int(vision.PATCH_SIZE),
+        "num_channels": 3,
+        "hidden_size": keys.int(vision.EMBEDDING_LENGTH),
+        "intermediate_size": keys.int(vision.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
+        "num_attention_heads": keys.int(vision.Attention.HEAD_COUNT),
+        "projector_hidden_act": keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
+        "projection_dim": keys.int(vision.PROJECTION_DIM),
+    }
 
 
 def _preprocessing_and_source(keys: KeyReader, preprocessor: dict) -> dict:

@@ -39,9 +39,8 @@ from conduit_rt.selection import budget_tokens
 from tests.fixtures.tiny_internvl import IMAGE_END, IMAGE_START, IMAGE_TOKEN, TOKENS_PER_TILE, build_tiny_internvl
 from tests.test_compress import record, reference_keep
 from tests.test_conduit import RecordingConduit, reference_selection
+from tests.test_qwen2vl import N_NEW, assert_close_logits, interleaved
 
-RTOL = 1e-4  # of max |reference logits|
-N_NEW = 16
 IMAGE_SIZES = [(41, 97), (250, 250), (100, 300), (13, 300)]  # (height, width): 3, 5, 4 and 7 tiles
 
 
@@ -91,14 +90,6 @@ def runtime(checkpoint):
 def images(n: int, seed: int = 0) -> list[Image.Image]:
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (*IMAGE_SIZES[i % 4], 3), dtype=np.uint8)) for i in range(n)]
-
-
-def interleaved(imgs: list[Image.Image], question: str = "What colour is it?") -> list[dict]:
-    """One user message: text, then each image followed by a few words, then the question."""
-    parts: list[dict] = [{"type": "text", "text": "Look:"}]
-    for index, image in enumerate(imgs):
-        parts += [{"type": "image", "image": image}, {"type": "text", "text": f" picture {index + 1};"}]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": question}]}]
 
 
 def payloads(messages: list[dict]) -> list[Image.Image]:
@@ -151,12 +142,6 @@ def prefill_logits(model, prompt, prepared, cuts: list[int] | None = None) -> to
             batch = ForwardBatch(positions=positions.to(model.device), rope_positions=rope[lo:hi].to(model.device))
             hidden.append(model.forward(seq, embeds[lo:hi], batch))
     return model.logits(torch.cat(hidden)).cpu()
-
-
-def assert_close_logits(ours: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL) -> None:
-    scale = expected.abs().max().item()
-    error = (ours.float().cpu() - expected).abs().max().item()
-    assert error <= rtol * scale, f"max |diff| {error:.3g} > {rtol} x {scale:.3g}"
 
 
 def test_conversion_writes_llama_cpp_names_keys_and_shapes(checkpoint):

@@ -25,6 +25,7 @@ from ..errors import ModelFormatError, UnsupportedArchitectureError
 from ..model_config import TextModelConfig
 from . import internvl_vision, llama_text, parts, qwen2vl_text
 from .clip_vision import image_processor_config
+from .llava import _PARTS as LLAVA_PARTS
 from .gguf_output import ConvertedFiles, OutputDtype, PlannedTensor, write_gguf
 from .source import SourceCheckpoint
 from .tokenizer_meta import TokenizerMeta, read_tokenizer
@@ -34,16 +35,9 @@ logger = logging.getLogger(__name__)
 HF_ARCHITECTURE = "InternVLForConditionalGeneration"
 DESCRIPTION = "InternVL3 (-hf layout): InternViT over 448-px tiles + thumbnail, pixel shuffle 0.5, MLP projector, Qwen2 decoder"
 DEFAULT_IMAGE_TOKEN_ID = 151667  # <IMG_CONTEXT> in InternVL3's vocabulary
-_PARTS = {  # stored-name prefix -> (part, prefix of the name inside that part)
-    "language_model.model.": ("text", "model."),
-    "model.language_model.": ("text", "model."),
-    "language_model.lm_head.": ("text", "lm_head."),
-    "lm_head.": ("text", "lm_head."),
-    "vision_tower.": ("tower", ""),
-    "model.vision_tower.": ("tower", ""),
-    "multi_modal_projector.": ("projector", ""),
-    "model.multi_modal_projector.": ("projector", ""),
-}
+# stored-name prefix -> (part, prefix of the name inside that part): LLaVA's layouts, whose towers
+# InternVL stores without CLIP's inner "vision_model."
+_PARTS = {prefix: part for prefix, part in LLAVA_PARTS.items() if "vision_model." not in prefix}
 
 
 def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progress: bool = True) -> ConvertedFiles:
