@@ -138,8 +138,8 @@ def internvl_mmproj_tensor_shapes(
     GGUF name                          shape                  Hugging Face InternVLForConditionalGeneration
     =================================  =====================  ==========================================
     v.patch_embd.{weight,bias}         [E, C, p, p] / [E]     vision_tower.embeddings.patch_embeddings.projection
-    v.class_embd                       [E]                    embeddings.cls_token [1, 1, E]
-    v.position_embd.weight             [n_patches+1, E]       embeddings.position_embeddings [1, n+1, E]
+    v.class_embd                       [1, 1, E]              embeddings.cls_token
+    v.position_embd.weight             [1, n_patches+1, E]    embeddings.position_embeddings
     v.blk.N.ln1.{weight,bias}          [E]                    encoder.layer.N.layernorm_before
     v.blk.N.attn_q/k/v.{weight,bias}   [E, E] / [E]           ...attention.q_proj / k_proj / v_proj
     v.blk.N.attn_out.{weight,bias}     [E, E] / [E]           ...attention.projection_layer
@@ -156,13 +156,14 @@ def internvl_mmproj_tensor_shapes(
     ``mm.0``/``mm.1``/``mm.3`` are the indices of the original InternVL ``mlp1`` ``nn.Sequential``
     (LayerNorm, Linear, GELU, Linear), which is what llama.cpp's "internvl" projector loads; ``s`` is
     the pixel-shuffle factor (``clip.vision.projector.scale_factor``, 2 for a downsample ratio of 0.5).
+    The CLS token and the position embeddings keep their leading 1s, as llama.cpp writes them.
     """
     shuffled = hidden_size * scale_factor**2
     shapes: dict[str, tuple[int, ...]] = {
         tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH): (hidden_size, num_channels, patch_size, patch_size),
         tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH, "bias"): (hidden_size,),
-        tensor_name(MODEL_TENSOR.V_ENC_EMBD_CLS, suffix=None): (hidden_size,),
-        tensor_name(MODEL_TENSOR.V_ENC_EMBD_POS): (num_positions, hidden_size),
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_CLS, suffix=None): (1, 1, hidden_size),
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_POS): (1, num_positions, hidden_size),
     }
     linear = _vision_block_linears(hidden_size, intermediate_size)
     for layer in range(num_layers):

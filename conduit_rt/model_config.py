@@ -16,6 +16,9 @@ SUPPORTED_ROPE_SCALING = (None, "linear")
 TEXT_ARCHITECTURES = (names.LLAMA_ARCH, names.QWEN2VL_ARCH, names.QWEN2_ARCH)
 QWEN2_DECODERS = (names.QWEN2VL_ARCH, names.QWEN2_ARCH)  # q/k/v biases, no o_proj bias
 VISION_FEATURE_SELECT = ("default", "full")
+# InternVL checkpoints tile an image into at most 12 (documents: 40) tiles; the bound keeps a file
+# from making each image cost thousands of tower passes.
+MAX_TILES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +287,15 @@ class InternVLVisionConfig:
     processor_config: dict[str, Any]
     source_id: str
     source_config: dict[str, Any] = field(default_factory=dict)
+    min_tiles: int = 1  # tiles an image is cut into, at least and at most (before the thumbnail);
+    max_tiles: int = 12  # the preprocessor JSON's min_patches / max_patches win when it has them
 
     def __post_init__(self) -> None:
         _require_positive(self, ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size",
-                                 "num_hidden_layers", "num_attention_heads", "projection_dim", "scale_factor"))
+                                 "num_hidden_layers", "num_attention_heads", "projection_dim", "scale_factor",
+                                 "min_tiles"))
+        _require(self.min_tiles <= self.max_tiles <= MAX_TILES,
+                 f"tiles per image {self.min_tiles}..{self.max_tiles} must be increasing and at most {MAX_TILES}")
         _require(self.projector_type == names.PROJECTOR_INTERNVL, f"projector type {self.projector_type!r} is not InternVL's")
         _require(self.image_size % (self.patch_size * self.scale_factor) == 0,
                  f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size} x scale_factor {self.scale_factor}")

@@ -31,6 +31,7 @@ from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.gguf_keys import KeyReader
 from conduit_rt.gguf_parser import GGUFContents, GGUFTensorInfo, parse_gguf
 from conduit_rt.model_config import (
+    MAX_TILES,
     TEXT_ARCHITECTURES,
     InternVLVisionConfig,
     QwenVisionConfig,
@@ -60,9 +61,6 @@ MAX_RESIZE_FACTOR = 8
 # Qwen2-VL's stock max_pixels (28 * 28 * 16384, for 14-pixel patches): min_pixels above it would
 # upscale every image past the largest size the processor ever resizes to.
 QWEN_MAX_PIXELS = 28 * 28 * 16384
-# InternVL checkpoints tile an image into at most 12 (documents: 40) tiles; the bound keeps a file
-# from making each image cost thousands of tower passes.
-MAX_TILES = 64
 RESAMPLING_FILTERS = frozenset(filter_.value for filter_ in Image.Resampling)
 # text architecture -> the projectors its mmproj may have
 _PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS,

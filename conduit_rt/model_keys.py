@@ -122,6 +122,8 @@ def read_internvl_vision_config(keys: KeyReader, n_tensors: int) -> InternVLVisi
         layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
         hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default=default_act),
         scale_factor=keys.int(vision.Projector.SCALE_FACTOR, default=2),
+        min_tiles=keys.int(vision.PREPROC_MIN_TILES, default=1),
+        max_tiles=keys.int(vision.PREPROC_MAX_TILES, default=12),
         **_fixed_size_tower(keys, n_tensors),
         **_preprocessing_and_source(keys, preprocessor),
     )

@@ -39,6 +39,7 @@ from conduit_rt.selection import budget_tokens
 from tests.fixtures.tiny_internvl import IMAGE_END, IMAGE_START, IMAGE_TOKEN, TOKENS_PER_TILE, build_tiny_internvl
 from tests.test_compress import record, reference_keep
 from tests.test_conduit import RecordingConduit, reference_selection
+from tests.test_model_file import rewrite_gguf
 from tests.test_qwen2vl import N_NEW, assert_close_logits, interleaved
 
 IMAGE_SIZES = [(41, 97), (250, 250), (100, 300), (13, 300)]  # (height, width): 3, 5, 4 and 7 tiles
@@ -165,8 +166,8 @@ def test_conversion_writes_llama_cpp_names_keys_and_shapes(checkpoint):
     }
     for gguf_name, hf_name in pairs.items():
         torch.testing.assert_close(vision.tensor(gguf_name), weights[hf_name], rtol=0, atol=0)
-    torch.testing.assert_close(vision.tensor("v.class_embd"), weights["vision_tower.embeddings.cls_token"][0, 0])
-    torch.testing.assert_close(vision.tensor("v.position_embd.weight"), weights["vision_tower.embeddings.position_embeddings"][0])
+    torch.testing.assert_close(vision.tensor("v.class_embd"), weights["vision_tower.embeddings.cls_token"])
+    torch.testing.assert_close(vision.tensor("v.position_embd.weight"), weights["vision_tower.embeddings.position_embeddings"])
     # Qwen2's q/k rows are stored as they are (llama.cpp permutes only Llama's); embeddings tied
     raw = {t.name: t for t in GGUFReader(converted / "model.gguf").tensors}
     torch.testing.assert_close(torch.from_numpy(np.array(raw["blk.1.attn_q.weight"].data)),
@@ -188,6 +189,24 @@ def test_broken_checkpoints_are_refused_before_writing(checkpoint, tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="norm_type, use_qk_norm"):
         convert_checkpoint(broken, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_mmproj_with_llama_cpp_keys_only_loads_and_a_missing_tensor_is_named(checkpoint, model, tmp_path):
+    """Without the conduit.* keys and the preprocessor JSON (as llama.cpp writes the file), the tower's
+    activation, pixel shuffle and tiling come from llama.cpp's clip.* keys and give the same features."""
+    _, converted = checkpoint
+    reader = GGUFReader(converted / "mmproj.gguf")
+    conduit_keys = tuple(key for key in reader.fields if key.startswith("conduit.")) + ("clip.vision.preprocessor_config",)
+    shutil.copy(converted / "model.gguf", tmp_path / "model.gguf")
+    rewrite_gguf(converted / "mmproj.gguf", tmp_path / "mmproj.gguf", drop_keys=conduit_keys)
+    plain = load_model(tmp_path / "model.gguf", tmp_path / "mmproj.gguf", "cpu", torch.float32)
+    prepared = [m.prepare_image(np.asarray(image)) for m in (plain, model) for image in images(4, seed=3)]
+    assert [p.n_tokens for p in prepared[:4]] == [p.n_tokens for p in prepared[4:]]
+    for ours, full in zip(plain.encode_images(prepared[:4]), model.encode_images(prepared[4:])):
+        torch.testing.assert_close(ours, full, rtol=0, atol=0)
+    rewrite_gguf(converted / "mmproj.gguf", tmp_path / "mmproj.gguf", drop_tensors=("v.blk.1.ls1.weight",))
+    with pytest.raises(ModelFormatError, match=r"missing tensor v\.blk\.1\.ls1\.weight"):
+        load_model(tmp_path / "model.gguf", tmp_path / "mmproj.gguf", "cpu", torch.float32)
 
 
 @pytest.mark.parametrize("size", [(41, 97), (13, 300), (500, 31), (7, 9), (1000, 777), (250, 250), (64, 64)])

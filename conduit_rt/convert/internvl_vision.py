@@ -83,6 +83,7 @@ def internvl_vision_config(
             "(supported: the LayerNorm InternViT with q/k/v biases and no q/k norm, CLS dropped, no final norm)"
         )
     side, patch = _square(vision["image_size"], "image_size"), _square(vision["patch_size"], "patch_size")
+    tiles = TilePreprocessParams.from_hf_config(preprocessor)
     ratio = float(top.get("downsample_ratio", 0.5))
     if ratio <= 0 or abs(1 / ratio - round(1 / ratio)) > 1e-6:
         raise UnsupportedArchitectureError(f"{source.root}: downsample_ratio {ratio} is not 1 / an integer")
@@ -97,6 +98,7 @@ def internvl_vision_config(
         image_mean=tuple(float(v) for v in preprocessor.get("image_mean", IMAGENET_MEAN)),
         image_std=tuple(float(v) for v in preprocessor.get("image_std", IMAGENET_STD)),
         preprocessor_config=preprocessor, processor_config=processor, source_id=source_id, source_config=top,
+        min_tiles=tiles.min_patches, max_tiles=tiles.max_patches,
     )
 
 
@@ -126,20 +128,9 @@ def plan_vision_tensors(
         if relative not in _PROJECTOR_NAMES:
             raise ModelFormatError(f"{source.root}: unexpected projector tensor {stored}")
         found[_PROJECTOR_NAMES[relative]] = stored
-    expected = config.tensor_shapes()
-    squeezed = {names.tensor_name(MODEL_TENSOR.V_ENC_EMBD_CLS, suffix=None), names.tensor_name(MODEL_TENSOR.V_ENC_EMBD_POS)}
-
-    def shape_of(stored: str) -> tuple[int, ...]:  # cls_token [1, 1, E] and position_embeddings [1, n, E] lose their 1s
-        shape = source.shape(stored)
-        return shape[-1:] if stored.endswith("cls_token") else shape[1:] if stored.endswith("position_embeddings") else shape
-
-    def loader(stored: str, gguf_name: str):
-        if gguf_name in squeezed:
-            return lambda: source.tensor(stored).reshape(expected[gguf_name])
-        return lambda: source.tensor(stored)
-
-    return plan_tensors(source.root, found, expected, "vision", dtype, shape_of, loader,
-                        quantizable=lambda gguf_name: gguf_name not in squeezed and "patch_embd" not in gguf_name)
+    return plan_tensors(source.root, found, config.tensor_shapes(), "vision", dtype, source.shape,
+                        lambda stored, gguf_name: lambda: source.tensor(stored),
+                        quantizable=lambda gguf_name: not gguf_name.startswith(("v.position_embd", "v.patch_embd")))
 
 
 def _tower_gguf_name(relative: str, n_layers: int) -> str | None:
@@ -156,13 +147,12 @@ def _tower_gguf_name(relative: str, n_layers: int) -> str | None:
 
 def add_mmproj_keys(writer: GGUFWriter, config: InternVLVisionConfig, dtype: OutputDtype, model_name: str) -> None:
     """llama.cpp's ``clip.*`` keys for the "internvl" projector, plus the conduit keys."""
-    tiles = TilePreprocessParams.from_hf_config(config.preprocessor_config)
     add_vision_tower_keys(writer, config, dtype, model_name, config.image_size)
     writer.add_vision_projector_scale_factor(config.scale_factor)
     writer.add_vision_use_gelu(config.hidden_act == "gelu")
     writer.add_vision_use_silu(config.hidden_act == "silu")
-    writer.add_vision_preproc_min_tiles(tiles.min_patches)
-    writer.add_vision_preproc_max_tiles(tiles.max_patches)
+    writer.add_vision_preproc_min_tiles(config.min_tiles)
+    writer.add_vision_preproc_max_tiles(config.max_tiles)
     keys = names.ConduitKeys
     writer.add_string(keys.VISION_HIDDEN_ACT, config.hidden_act)
     writer.add_string(keys.PROJECTOR_HIDDEN_ACT, config.projector_hidden_act)

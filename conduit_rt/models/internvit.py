@@ -85,8 +85,8 @@ class InternVisionTower(nn.Module):
         self.config = config
         hidden, patch = config.hidden_size, config.patch_size
         self.patch_embedding = nn.Conv2d(config.num_channels, hidden, kernel_size=patch, stride=patch)
-        self.class_embedding = nn.Parameter(torch.empty(hidden))
-        self.position_embedding = nn.Parameter(torch.empty(config.num_positions, hidden))
+        self.class_embedding = nn.Parameter(torch.empty(1, 1, hidden))
+        self.position_embedding = nn.Parameter(torch.empty(1, config.num_positions, hidden))
         self.layers = nn.ModuleList(InternVisionLayer(config) for _ in range(config.num_hidden_layers))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -95,8 +95,8 @@ class InternVisionTower(nn.Module):
             raise RequestError(f"pixel_values must be [n, {channels}, {side}, {side}], got {list(pixel_values.shape)}")
         patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         patches = patches.flatten(2).transpose(1, 2)  # [n, n_patches, hidden], row-major
-        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
-        x = torch.cat([cls, patches], dim=1) + self.position_embedding[None]
+        cls = self.class_embedding.expand(patches.shape[0], -1, -1)
+        x = torch.cat([cls, patches], dim=1) + self.position_embedding
         for layer in self.layers:
             x = layer(x)
         return x

@@ -100,6 +100,7 @@ def model_assets(text: TextModelConfig, vision: InternVLVisionConfig | None, mmp
         vision.preprocessor_config or {
             "size": {"height": vision.image_size, "width": vision.image_size},
             "image_mean": list(vision.image_mean), "image_std": list(vision.image_std),
+            "min_patches": vision.min_tiles, "max_patches": vision.max_tiles,
         }
     )
     assets = build_assets(text, vision, mmproj_path, preprocess, tokens_per_image=0)
