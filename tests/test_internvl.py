@@ -188,6 +188,11 @@ def test_broken_checkpoints_are_refused_before_writing(checkpoint, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="norm_type, use_qk_norm"):
         convert_checkpoint(broken, tmp_path / "out", progress=False)
+    (broken / "config.json").write_text(json.dumps(json.loads((source / "config.json").read_text()) | {"image_seq_length": 64}))
+    (broken / "processor_config.json").unlink()
+    shutil.copy(source / "model.safetensors", broken / "model.safetensors")
+    with pytest.raises(ModelFormatError, match="image_seq_length 64 != the 16 tokens"):
+        convert_checkpoint(broken, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -207,6 +212,17 @@ def test_an_mmproj_with_llama_cpp_keys_only_loads_and_a_missing_tensor_is_named(
     rewrite_gguf(converted / "mmproj.gguf", tmp_path / "mmproj.gguf", drop_tensors=("v.blk.1.ls1.weight",))
     with pytest.raises(ModelFormatError, match=r"missing tensor v\.blk\.1\.ls1\.weight"):
         load_model(tmp_path / "model.gguf", tmp_path / "mmproj.gguf", "cpu", torch.float32)
+
+
+def test_the_text_file_alone_is_a_qwen2_model_with_transformers_logits(checkpoint, hf):
+    _, converted = checkpoint
+    text_only = load_model(converted / "model.gguf", None, "cpu", torch.float32)
+    assert not text_only.has_vision and text_only.config.architecture == "qwen2"
+    messages = interleaved([], "No pictures today.")
+    prompt, prepared = our_prompt(text_only, messages)
+    with torch.no_grad():
+        expected = hf.model(**hf_inputs(hf, messages)).logits[0].float()
+    assert_close_logits(prefill_logits(text_only, prompt, prepared), expected)
 
 
 @pytest.mark.parametrize("size", [(41, 97), (13, 300), (500, 31), (7, 9), (1000, 777), (250, 250), (64, 64)])
@@ -353,3 +369,11 @@ def test_bf16_cuda_logits_track_transformers(checkpoint, hf, n_images):
     gpu_model = load_model(converted / "model.gguf", converted / "mmproj.gguf", "cuda", torch.bfloat16)
     ours = prefill_logits(gpu_model, *our_prompt(gpu_model, messages))
     assert (ours - expected).abs().max().item() <= 2 * hf_error + 1e-2 * expected.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_graph_replayed_decode_equals_eager_decode(checkpoint):
+    """The captured decode step of the Qwen2 decoder (1-D RoPE, q/k/v biases) against eager decoding."""
+    from tests.test_runtime import graphed_and_eager_agree
+
+    graphed_and_eager_agree(checkpoint[1] / "model.gguf", interleaved(images(2, seed=41), "Describe them."), max_tokens=20)

@@ -87,7 +87,7 @@ def internvl_vision_config(
     ratio = float(top.get("downsample_ratio", 0.5))
     if ratio <= 0 or abs(1 / ratio - round(1 / ratio)) > 1e-6:
         raise UnsupportedArchitectureError(f"{source.root}: downsample_ratio {ratio} is not 1 / an integer")
-    return InternVLVisionConfig(
+    config = InternVLVisionConfig(
         projector_type=names.PROJECTOR_INTERNVL, image_size=side, patch_size=patch,
         num_channels=vision["num_channels"], hidden_size=vision["hidden_size"],
         intermediate_size=vision["intermediate_size"],
@@ -100,6 +100,13 @@ def internvl_vision_config(
         preprocessor_config=preprocessor, processor_config=processor, source_id=source_id, source_config=top,
         min_tiles=tiles.min_patches, max_tiles=tiles.max_patches,
     )
+    stated = processor.get("image_seq_length", top.get("image_seq_length"))
+    if stated is not None and stated != config.tokens_per_tile:
+        raise ModelFormatError(
+            f"{source.root}: image_seq_length {stated} != the {config.tokens_per_tile} tokens a {side}-px tile gives "
+            f"({patch}-px patches, pixel shuffle by {config.scale_factor})"
+        )
+    return config
 
 
 def _square(value: Any, name: str) -> int:
