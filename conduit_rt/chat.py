@@ -245,9 +245,13 @@ def _per_image_counts(tokens_per_image: int | Sequence[int], num_images: int) ->
 
 
 def expand_image_tokens(
-    token_ids: list[int], image_token_id: int, counts: Sequence[int]
+    token_ids: list[int], image_token_id: int, counts: Sequence[int], image_wrap: tuple[int, int] | None = None
 ) -> tuple[list[int], tuple[Segment, ...]]:
-    """Replace the i-th ``image_token_id`` by ``counts[i]`` copies; segments tile the result."""
+    """Replace the i-th ``image_token_id`` by ``counts[i]`` copies; segments tile the result.
+
+    ``image_wrap`` (start id, end id): each image's copies are written between these two text
+    tokens, as InternVL's processor writes ``<img>`` and ``</img>`` around its ``<IMG_CONTEXT>`` run.
+    """
     expanded: list[int] = []
     segments: list[Segment] = []
     run: list[int] = []
@@ -256,6 +260,8 @@ def expand_image_tokens(
         if token_id != image_token_id:
             run.append(token_id)
             continue
+        if image_wrap is not None:
+            run.append(image_wrap[0])
         if run:
             segments.append(TextRun(tuple(run), len(expanded)))
             expanded.extend(run)
@@ -263,6 +269,8 @@ def expand_image_tokens(
         segments.append(ImageSlot(image_index, len(expanded), counts[image_index]))
         expanded.extend([image_token_id] * counts[image_index])
         image_index += 1
+        if image_wrap is not None:
+            run.append(image_wrap[1])
     if run:
         segments.append(TextRun(tuple(run), len(expanded)))
         expanded.extend(run)
@@ -276,12 +284,14 @@ def build_prompt(
     image_token_id: int,
     tokens_per_image: int | Sequence[int],
     add_generation_prompt: bool = True,
+    image_wrap: tuple[int, int] | None = None,
     **template_kwargs: Any,
 ) -> Prompt:
     """messages -> ``Prompt`` (ids with each image placeholder expanded, segments, images).
 
     ``tokens_per_image``: one count for every image (LLaVA-1.5: (image_size / patch_size)^2) or
-    one per image in order (dynamic-resolution models).
+    one per image in order (dynamic-resolution models). ``image_wrap``: the text tokens written
+    before and after each image's run (``expand_image_tokens``).
     """
     plain_messages, images = validate_messages(messages)
     text = template.render(
@@ -299,6 +309,6 @@ def build_prompt(
             "and use a chat template that renders image parts"
         )
     expanded, segments = expand_image_tokens(
-        token_ids, image_token_id, _per_image_counts(tokens_per_image, len(images))
+        token_ids, image_token_id, _per_image_counts(tokens_per_image, len(images)), image_wrap
     )
     return Prompt(token_ids=expanded, segments=segments, images=tuple(images), text=text)

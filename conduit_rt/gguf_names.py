@@ -37,6 +37,8 @@ PROJECTOR_QWEN2VL = gguf.VisionProjectorType.QWEN2VL  # "qwen2vl_merger"
 PROJECTOR_QWEN25VL = gguf.VisionProjectorType.QWEN25VL  # "qwen2.5vl_merger"
 QWEN_PROJECTORS = (PROJECTOR_QWEN2VL, PROJECTOR_QWEN25VL)
 PATCH_EMBD_FRAME_1 = "v.patch_embd.weight.1"  # second temporal slice of Qwen's Conv3D patch embedding
+QWEN2_ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2]  # "qwen2": Qwen2 decoder with 1-D RoPE (InternVL3's)
+PROJECTOR_INTERNVL = gguf.VisionProjectorType.INTERNVL  # "internvl": InternViT, pixel shuffle, LN + MLP
 
 
 class ConduitKeys:
@@ -123,6 +125,61 @@ def llama_attention_bias_shapes(*, num_layers: int, hidden_size: int, q_rows: in
         shapes[tensor_name(MODEL_TENSOR.ATTN_K, "bias", layer)] = (kv_rows,)
         shapes[tensor_name(MODEL_TENSOR.ATTN_V, "bias", layer)] = (kv_rows,)
         shapes[tensor_name(MODEL_TENSOR.ATTN_OUT, "bias", layer)] = (hidden_size,)
+    return shapes
+
+
+def internvl_mmproj_tensor_shapes(
+    *, hidden_size: int, intermediate_size: int, num_layers: int, num_channels: int, patch_size: int,
+    num_positions: int, scale_factor: int, projection_dim: int,
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an InternVL ``mmproj.gguf`` (InternViT + pixel shuffle + MLP, projector "internvl").
+
+    =================================  =====================  ==========================================
+    GGUF name                          shape                  Hugging Face InternVLForConditionalGeneration
+    =================================  =====================  ==========================================
+    v.patch_embd.{weight,bias}         [E, C, p, p] / [E]     vision_tower.embeddings.patch_embeddings.projection
+    v.class_embd                       [1, 1, E]              embeddings.cls_token
+    v.position_embd.weight             [1, n_patches+1, E]    embeddings.position_embeddings
+    v.blk.N.ln1.{weight,bias}          [E]                    encoder.layer.N.layernorm_before
+    v.blk.N.attn_q/k/v.{weight,bias}   [E, E] / [E]           ...attention.q_proj / k_proj / v_proj
+    v.blk.N.attn_out.{weight,bias}     [E, E] / [E]           ...attention.projection_layer
+    v.blk.N.ls1.weight                 [E]                    ...lambda_1 (attention layer scale)
+    v.blk.N.ln2.{weight,bias}          [E]                    ...layernorm_after
+    v.blk.N.ffn_up.{weight,bias}       [I, E] / [I]           ...mlp.fc1
+    v.blk.N.ffn_down.{weight,bias}     [E, I] / [E]           ...mlp.fc2
+    v.blk.N.ls2.weight                 [E]                    ...lambda_2 (MLP layer scale)
+    mm.0.{weight,bias}                 [E s^2]                multi_modal_projector.layer_norm
+    mm.1.{weight,bias}                 [proj, E s^2] / [proj] multi_modal_projector.linear_1
+    mm.3.{weight,bias}                 [proj, proj] / [proj]  multi_modal_projector.linear_2
+    =================================  =====================  ==========================================
+
+    ``mm.0``/``mm.1``/``mm.3`` are the indices of the original InternVL ``mlp1`` ``nn.Sequential``
+    (LayerNorm, Linear, GELU, Linear), which is what llama.cpp's "internvl" projector loads; ``s`` is
+    the pixel-shuffle factor (``clip.vision.projector.scale_factor``, 2 for a downsample ratio of 0.5).
+    The CLS token and the position embeddings keep their leading 1s, as llama.cpp writes them.
+    """
+    shuffled = hidden_size * scale_factor**2
+    shapes: dict[str, tuple[int, ...]] = {
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH): (hidden_size, num_channels, patch_size, patch_size),
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH, "bias"): (hidden_size,),
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_CLS, suffix=None): (1, 1, hidden_size),
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_POS): (1, num_positions, hidden_size),
+    }
+    linear = _vision_block_linears(hidden_size, intermediate_size)
+    for layer in range(num_layers):
+        for kind in (MODEL_TENSOR.V_ENC_INPUT_NORM, MODEL_TENSOR.V_ENC_POST_ATTN_NORM):
+            for suffix in ("weight", "bias"):
+                shapes[tensor_name(kind, suffix, layer)] = (hidden_size,)
+        for kind, (rows, cols) in linear.items():
+            shapes[tensor_name(kind, "weight", layer)] = (rows, cols)
+            shapes[tensor_name(kind, "bias", layer)] = (rows,)
+        for kind in (MODEL_TENSOR.V_LAYER_SCALE_1, MODEL_TENSOR.V_LAYER_SCALE_2):
+            shapes[tensor_name(kind, "weight", layer)] = (hidden_size,)
+    for suffix in ("weight", "bias"):
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, suffix, 0)] = (shuffled,)
+    for index, in_features in ((1, shuffled), (3, projection_dim)):
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, "weight", index)] = (projection_dim, in_features)
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, "bias", index)] = (projection_dim,)
     return shapes
 
 
@@ -287,10 +344,12 @@ __all__ = [
     "MMPROJ_FILE_NAME",
     "MODEL_TENSOR",
     "PATCH_EMBD_FRAME_1",
+    "PROJECTOR_INTERNVL",
     "PROJECTOR_MLP",
     "PROJECTOR_QWEN2VL",
     "PROJECTOR_QWEN25VL",
     "QWEN2VL_ARCH",
+    "QWEN2_ARCH",
     "QWEN_PROJECTORS",
     "TEXT_FILE_NAME",
     "TYPE_MMPROJ",
@@ -298,6 +357,7 @@ __all__ = [
     "ConduitKeys",
     "Keys",
     "clip_mlp_mmproj_tensor_shapes",
+    "internvl_mmproj_tensor_shapes",
     "is_rope_permuted",
     "llama_attention_bias_shapes",
     "llama_rope_permute",

@@ -13,8 +13,12 @@ from typing import Any
 from conduit_rt import gguf_names as names
 
 SUPPORTED_ROPE_SCALING = (None, "linear")
-TEXT_ARCHITECTURES = (names.LLAMA_ARCH, names.QWEN2VL_ARCH)
+TEXT_ARCHITECTURES = (names.LLAMA_ARCH, names.QWEN2VL_ARCH, names.QWEN2_ARCH)
+QWEN2_DECODERS = (names.QWEN2VL_ARCH, names.QWEN2_ARCH)  # q/k/v biases, no o_proj bias
 VISION_FEATURE_SELECT = ("default", "full")
+# InternVL checkpoints tile an image into at most 12 (documents: 40) tiles; the bound keeps a file
+# from making each image cost thousands of tower passes.
+MAX_TILES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +26,11 @@ class TextModelConfig:
     """``model.gguf``: a Llama decoder and its tokenizer (``tokenizer_json`` is the whole tokenizer.json).
 
     ``architecture`` "qwen2vl" is a Qwen2 decoder (a Llama with q/k/v biases) with M-RoPE: its
-    ``rope_sections`` (t, h, w) split the rotary frequencies among the three position rows.
+    ``rope_sections`` (t, h, w) split the rotary frequencies among the three position rows; "qwen2"
+    is the same decoder with 1-D RoPE (InternVL3's).
     """
 
-    architecture: str  # "llama" or "qwen2vl"
+    architecture: str  # "llama", "qwen2vl" or "qwen2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -84,7 +89,7 @@ class TextModelConfig:
     def tensor_shapes(self, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:
         """GGUF name -> HF-convention shape of every tensor this config implies (see ``gguf_names``).
 
-        ``attention_bias`` adds Llama's q/k/v/o biases; a "qwen2vl" decoder always has q/k/v biases.
+        ``attention_bias`` adds Llama's q/k/v/o biases; a "qwen2vl" or "qwen2" decoder always has q/k/v biases.
         """
         shapes = names.llama_text_tensor_shapes(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -92,7 +97,7 @@ class TextModelConfig:
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
             tie_word_embeddings=self.tie_word_embeddings,
         )
-        if self.architecture == names.QWEN2VL_ARCH:
+        if self.architecture in QWEN2_DECODERS:
             shapes |= names.qwen2_attention_bias_shapes(
                 num_layers=self.num_hidden_layers, q_rows=self.num_attention_heads * self.head_dim,
                 kv_rows=self.num_key_value_heads * self.head_dim,
@@ -251,6 +256,77 @@ class QwenVisionConfig:
             num_channels=self.num_channels, patch_size=self.patch_size, merge_size=self.spatial_merge_size,
             projection_dim=self.projection_dim, gated_mlp=self.is_qwen25, norm_bias=not self.is_qwen25,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class InternVLVisionConfig:
+    """``mmproj.gguf`` of InternVL ("internvl"): InternViT, pixel shuffle and the MLP projector, plus preprocessing.
+
+    Each ``image_size`` tile goes through the ViT (CLS + patches, learned positions, pre-LayerNorm
+    blocks with layer scales, no final norm: transformers' ``use_mean_pooling``); the CLS position is
+    dropped, each ``scale_factor`` x ``scale_factor`` block of patches is concatenated (pixel shuffle
+    by 1 / scale_factor) and ``mm.3(act(mm.1(LayerNorm_mm.0(x))))`` projects it to the text width.
+    """
+
+    projector_type: str  # "internvl"
+    image_size: int  # tile side
+    patch_size: int
+    num_channels: int
+    hidden_size: int  # E
+    intermediate_size: int  # I
+    num_hidden_layers: int
+    num_attention_heads: int
+    layer_norm_eps: float
+    hidden_act: str  # ViT MLP activation ("gelu")
+    projector_hidden_act: str  # between mm.1 and mm.3 ("gelu")
+    projection_dim: int  # projector output == text hidden_size
+    scale_factor: int  # pixel shuffle: 1 / downsample_ratio (2)
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    preprocessor_config: dict[str, Any]
+    processor_config: dict[str, Any]
+    source_id: str
+    source_config: dict[str, Any] = field(default_factory=dict)
+    min_tiles: int = 1  # tiles an image is cut into, at least and at most (before the thumbnail);
+    max_tiles: int = 12  # the preprocessor JSON's min_patches / max_patches win when it has them
+
+    def __post_init__(self) -> None:
+        _require_positive(self, ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads", "projection_dim", "scale_factor",
+                                 "min_tiles"))
+        _require(self.min_tiles <= self.max_tiles <= MAX_TILES,
+                 f"tiles per image {self.min_tiles}..{self.max_tiles} must be increasing and at most {MAX_TILES}")
+        _require(self.projector_type == names.PROJECTOR_INTERNVL, f"projector type {self.projector_type!r} is not InternVL's")
+        _require(self.image_size % (self.patch_size * self.scale_factor) == 0,
+                 f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size} x scale_factor {self.scale_factor}")
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 f"vision hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+        _require(self.layer_norm_eps > 0, "layer_norm_eps must be positive")
+        _require(len(self.image_mean) == self.num_channels and len(self.image_std) == self.num_channels,
+                 f"image_mean/image_std need {self.num_channels} values")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_positions(self) -> int:
+        """Positions in the ViT sequence: the patches of a tile plus CLS."""
+        return (self.image_size // self.patch_size) ** 2 + 1
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Embeddings a tile gives the text model: its patches / scale_factor^2."""
+        return (self.image_size // self.patch_size // self.scale_factor) ** 2
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """GGUF name -> HF-convention shape of every tensor (``gguf_names.internvl_mmproj_tensor_shapes``)."""
+        return names.internvl_mmproj_tensor_shapes(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_layers=self.num_hidden_layers,
+            num_channels=self.num_channels, patch_size=self.patch_size, num_positions=self.num_positions,
+            scale_factor=self.scale_factor, projection_dim=self.projection_dim,
+        )
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

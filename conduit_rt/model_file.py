@@ -30,8 +30,20 @@ from conduit_rt import gguf_names as names
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.gguf_keys import KeyReader
 from conduit_rt.gguf_parser import GGUFContents, GGUFTensorInfo, parse_gguf
-from conduit_rt.model_config import TEXT_ARCHITECTURES, QwenVisionConfig, TextModelConfig, VisionModelConfig
-from conduit_rt.model_keys import read_qwen_vision_config, read_text_config, read_vision_config
+from conduit_rt.model_config import (
+    MAX_TILES,
+    TEXT_ARCHITECTURES,
+    InternVLVisionConfig,
+    QwenVisionConfig,
+    TextModelConfig,
+    VisionModelConfig,
+)
+from conduit_rt.model_keys import (
+    read_internvl_vision_config,
+    read_qwen_vision_config,
+    read_text_config,
+    read_vision_config,
+)
 
 if TYPE_CHECKING:
     from conduit_rt.chat import ChatTemplate
@@ -51,7 +63,11 @@ MAX_RESIZE_FACTOR = 8
 QWEN_MAX_PIXELS = 28 * 28 * 16384
 RESAMPLING_FILTERS = frozenset(filter_.value for filter_ in Image.Resampling)
 # text architecture -> the projectors its mmproj may have
-_PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS}
+_PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS,
+               names.QWEN2_ARCH: (names.PROJECTOR_INTERNVL,)}
+# projector type -> the reader of its mmproj keys
+_VISION_READERS = {names.PROJECTOR_MLP: read_vision_config, names.PROJECTOR_INTERNVL: read_internvl_vision_config,
+                   **dict.fromkeys(names.QWEN_PROJECTORS, read_qwen_vision_config)}
 # little-endian element type of each unquantized readable type
 _PLAIN_DTYPES = {GGMLQuantizationType.F32: "<f4", GGMLQuantizationType.F16: "<f2", GGMLQuantizationType.BF16: "<i2"}
 
@@ -144,11 +160,12 @@ class TextModelFile(GGUFModelFile):
 class VisionModelFile(GGUFModelFile):
     """``mmproj.gguf``: vision tower + projector. ``config`` holds the hyperparameters and preprocessing.
 
-    Tensor names: ``gguf_names.clip_mlp_mmproj_tensor_shapes`` (projector "mlp", a ``VisionModelConfig``)
-    or ``gguf_names.qwen_vision_mmproj_tensor_shapes`` (Qwen mergers, a ``QwenVisionConfig``).
+    Tensor names: ``gguf_names.clip_mlp_mmproj_tensor_shapes`` (projector "mlp", a ``VisionModelConfig``),
+    ``gguf_names.qwen_vision_mmproj_tensor_shapes`` (Qwen mergers, a ``QwenVisionConfig``) or
+    ``gguf_names.internvl_mmproj_tensor_shapes`` (projector "internvl", an ``InternVLVisionConfig``).
     """
 
-    def __init__(self, path: Path, contents: GGUFContents, config: VisionModelConfig | QwenVisionConfig) -> None:
+    def __init__(self, path: Path, contents: GGUFContents, config: VisionModelConfig | QwenVisionConfig | InternVLVisionConfig) -> None:
         super().__init__(path, contents)
         self.config = config
 
@@ -186,12 +203,11 @@ def load_mmproj_file(path: str | Path, text: TextModelFile | None = None) -> Vis
     if not keys.bool(Keys.Clip.HAS_VISION_ENCODER, default=True):
         raise ModelFormatError(f"{path}: {Keys.Clip.HAS_VISION_ENCODER} is false; this mmproj has no vision encoder")
     projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
-    supported = (names.PROJECTOR_MLP, *names.QWEN_PROJECTORS)
-    if projector not in supported:
+    if projector not in _VISION_READERS:
         raise UnsupportedArchitectureError(
-            f"{path}: projector type {projector!r} is not supported; supported: {', '.join(supported)}"
+            f"{path}: projector type {projector!r} is not supported; supported: {', '.join(_VISION_READERS)}"
         )
-    read = read_vision_config if projector == names.PROJECTOR_MLP else read_qwen_vision_config
+    read = _VISION_READERS[projector]
     config = _build_config(path, lambda: read(keys, len(contents.tensors)))
     validate_tensors(path, contents, config.tensor_shapes())
     check_activations(path, config)
@@ -272,7 +288,7 @@ def check_activations(path: Path, config: VisionModelConfig | QwenVisionConfig) 
     from conduit_rt.models.clip import ACTIVATIONS
 
     named = [(names.ConduitKeys.VISION_HIDDEN_ACT, config.hidden_act)]
-    if isinstance(config, VisionModelConfig):
+    if isinstance(config, (VisionModelConfig, InternVLVisionConfig)):
         named.append((names.ConduitKeys.PROJECTOR_HIDDEN_ACT, config.projector_hidden_act))
     for key, name in named:
         if name not in ACTIVATIONS:
@@ -303,20 +319,25 @@ def check_text_assets(path: Path, config: TextModelConfig) -> None:
             raise ModelFormatError(f"{path}: key {key}: {error}") from None
 
 
-def check_preprocessing(path: Path, config: VisionModelConfig | QwenVisionConfig) -> None:
+def check_preprocessing(path: Path, config: VisionModelConfig | QwenVisionConfig | InternVLVisionConfig) -> None:
     """The image preprocessing stored in the mmproj (``conduit.preprocessor_config``) builds and
     feeds the tower what it takes; a file cannot make each request resize to an arbitrary size."""
     from conduit_rt.preprocess import ClipPreprocessParams, QwenVLPreprocessParams
+    from conduit_rt.preprocess_tiles import TilePreprocessParams
 
     if not config.preprocessor_config:
         return  # the loader builds the preprocessing from the checked clip.vision.* keys
     key = f"key {names.ConduitKeys.PREPROCESSOR_CONFIG}"
-    is_clip = isinstance(config, VisionModelConfig)
+    params_class, size_problem = {
+        VisionModelConfig: (ClipPreprocessParams, _clip_size_problem),
+        QwenVisionConfig: (QwenVLPreprocessParams, _qwen_size_problem),
+        InternVLVisionConfig: (TilePreprocessParams, _tile_size_problem),
+    }[type(config)]
     try:
-        params = (ClipPreprocessParams if is_clip else QwenVLPreprocessParams).from_hf_config(config.preprocessor_config)
+        params = params_class.from_hf_config(config.preprocessor_config)
     except (ModelFormatError, TypeError, ValueError, KeyError, AttributeError, OverflowError) as error:
         raise ModelFormatError(f"{path}: {key}: {error}") from None
-    problem = _pixel_problem(params) or (_clip_size_problem(params, config) if is_clip else _qwen_size_problem(params, config))
+    problem = _pixel_problem(params) or size_problem(params, config)
     if problem:
         raise ModelFormatError(f"{path}: {key}: {problem}")
 
@@ -355,6 +376,14 @@ def _qwen_size_problem(params, config: QwenVisionConfig) -> str | None:
     largest = QWEN_MAX_PIXELS * config.patch_size**2 // 14**2
     if params.min_pixels > largest:
         return f"min_pixels {params.min_pixels} would upscale every image past {largest} pixels"
+    return None
+
+
+def _tile_size_problem(params, config: InternVLVisionConfig) -> str | None:
+    if params.tile != config.image_size:
+        return f"the preprocessing makes {params.tile}-pixel tiles; the vision tower takes {config.image_size}"
+    if params.max_patches > MAX_TILES:
+        return f"max_patches {params.max_patches} is more than {MAX_TILES} tiles an image"
     return None
 
 

@@ -13,7 +13,7 @@ from gguf import Keys
 
 from conduit_rt import gguf_names as names
 from conduit_rt.gguf_keys import KeyReader
-from conduit_rt.model_config import QwenVisionConfig, TextModelConfig, VisionModelConfig
+from conduit_rt.model_config import InternVLVisionConfig, QwenVisionConfig, TextModelConfig, VisionModelConfig
 
 def read_text_config(keys: KeyReader, tensor_names: set[str], arch: str = names.LLAMA_ARCH) -> TextModelConfig:
     """The text hyperparameters and tokenizer from a ``model.gguf``'s keys (``{arch}.*``);
@@ -75,20 +75,11 @@ def read_vision_config(keys: KeyReader, n_tensors: int) -> VisionModelConfig:
     use_gelu = keys.bool(vision.USE_GELU, default=False)
     preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
     return VisionModelConfig(
-        projector_type=keys.str(Keys.Clip.PROJECTOR_TYPE),
-        image_size=keys.int(vision.IMAGE_SIZE),
-        patch_size=keys.int(vision.PATCH_SIZE),
-        num_channels=3,
-        hidden_size=keys.int(vision.EMBEDDING_LENGTH),
-        intermediate_size=keys.int(vision.FEED_FORWARD_LENGTH),
-        num_hidden_layers=keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
-        num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
         layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS),
         hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default="gelu" if use_gelu else "quick_gelu"),
-        projector_hidden_act=keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
-        projection_dim=keys.int(vision.PROJECTION_DIM),
         feature_layer=keys.int(names.ConduitKeys.FEATURE_LAYER, default=-2),
         feature_select_strategy=keys.str(names.ConduitKeys.FEATURE_SELECT, default="default"),
+        **_fixed_size_tower(keys, n_tensors),
         **_preprocessing_and_source(keys, preprocessor),
     )
 
@@ -118,6 +109,41 @@ def read_qwen_vision_config(keys: KeyReader, n_tensors: int) -> QwenVisionConfig
         rope_theta=keys.float(names.ConduitKeys.VISION_ROPE_THETA, default=10000.0),
         **_preprocessing_and_source(keys, preprocessor),
     )
+
+
+def read_internvl_vision_config(keys: KeyReader, n_tensors: int) -> InternVLVisionConfig:
+    """InternVL's tower, projector and preprocessing from an ``mmproj.gguf``'s keys (``n_tensors``:
+    the file's tensor count, which bounds the block count). llama.cpp's files say the tower's
+    activation with ``clip.use_gelu`` / ``clip.use_silu`` and have no projector activation key (GELU)."""
+    vision = Keys.ClipVision
+    preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
+    default_act = "silu" if keys.bool(vision.USE_SILU, default=False) else "gelu"
+    return InternVLVisionConfig(
+        layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
+        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default=default_act),
+        scale_factor=keys.int(vision.Projector.SCALE_FACTOR, default=2),
+        min_tiles=keys.int(vision.PREPROC_MIN_TILES, default=1),
+        max_tiles=keys.int(vision.PREPROC_MAX_TILES, default=12),
+        **_fixed_size_tower(keys, n_tensors),
+        **_preprocessing_and_source(keys, preprocessor),
+    )
+
+
+def _fixed_size_tower(keys: KeyReader, n_tensors: int) -> dict:
+    """The fields of a ViT over fixed-size inputs with a projector (LLaVA's CLIP, InternViT's tiles)."""
+    vision = Keys.ClipVision
+    return {
+        "projector_type": keys.str(Keys.Clip.PROJECTOR_TYPE),
+        "image_size": keys.int(vision.IMAGE_SIZE),
+        "patch_size": keys.int(vision.PATCH_SIZE),
+        "num_channels": 3,
+        "hidden_size": keys.int(vision.EMBEDDING_LENGTH),
+        "intermediate_size": keys.int(vision.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
+        "num_attention_heads": keys.int(vision.Attention.HEAD_COUNT),
+        "projector_hidden_act": keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
+        "projection_dim": keys.int(vision.PROJECTION_DIM),
+    }
 
 
 def _preprocessing_and_source(keys: KeyReader, preprocessor: dict) -> dict:

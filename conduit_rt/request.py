@@ -108,7 +108,7 @@ class RequestReader:
             a.preprocess.check_size(rgb.shape[0], rgb.shape[1])
         images = [self.model.prepare_image(rgb) for rgb in pixels]
         prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id,
-                              [image.n_tokens for image in images])
+                              [image.n_tokens for image in images], image_wrap=a.image_wrap)
         rope = self.model.rope_positions(prompt, images)
         return Request(prompt, payloads, images, keys, rope, _identity(prompt, keys))
 
@@ -117,7 +117,8 @@ class RequestReader:
         a = self.model.assets
         payload, image = request.payloads[slot.image_index], request.images[slot.image_index]
         messages = [{"role": "user", "content": [{"type": "image", "image": payload}]}]
-        prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, [image.n_tokens])
+        prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, [image.n_tokens],
+                              image_wrap=a.image_wrap)
         key = request.keys[slot.image_index]
         return Request(prompt, [payload], [image], [key], self.model.rope_positions(prompt, [image]), [])
 

@@ -17,7 +17,7 @@ LAYERS = [
                        "validation", "evaluation.statistics"]),
     (1, "native binding", ["native"]),
     (2, "arena", ["arena", "topk"]),
-    (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "tokenizer", "chat", "sampling",
+    (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "preprocess_tiles", "tokenizer", "chat", "sampling",
                                "models", "selection", "refresh", "compress", "image_cache", "disk_cache", "disk_entry",
                                "prefix_cache", "decode_graph", "batch_decode", "prefill_graph", "convert"]),
     (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",

@@ -161,6 +161,7 @@ class ModelAssets:
     vision_model_id: str  # identity of the vision weights (part of every image cache key)
     eos_token_ids: frozenset[int]
     bos_token_id: int
+    image_wrap: tuple[int, int] | None = None  # text tokens around each image's run (InternVL's <img>, </img>)
 
 
 class VisionLanguageModel(Protocol):
