@@ -51,7 +51,8 @@ MAX_RESIZE_FACTOR = 8
 QWEN_MAX_PIXELS = 28 * 28 * 16384
 RESAMPLING_FILTERS = frozenset(filter_.value for filter_ in Image.Resampling)
 # text architecture -> the projectors its mmproj may have
-_PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS}
+_PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS,
+               names.QWEN3VL_ARCH: (names.PROJECTOR_QWEN3VL,)}
 # little-endian element type of each unquantized readable type
 _PLAIN_DTYPES = {GGMLQuantizationType.F32: "<f4", GGMLQuantizationType.F16: "<f2", GGMLQuantizationType.BF16: "<i2"}
 
@@ -186,7 +187,7 @@ def load_mmproj_file(path: str | Path, text: TextModelFile | None = None) -> Vis
     if not keys.bool(Keys.Clip.HAS_VISION_ENCODER, default=True):
         raise ModelFormatError(f"{path}: {Keys.Clip.HAS_VISION_ENCODER} is false; this mmproj has no vision encoder")
     projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
-    supported = (names.PROJECTOR_MLP, *names.QWEN_PROJECTORS)
+    supported = (names.PROJECTOR_MLP, *names.QWEN_PROJECTORS, names.PROJECTOR_QWEN3VL)
     if projector not in supported:
         raise UnsupportedArchitectureError(
             f"{path}: projector type {projector!r} is not supported; supported: {', '.join(supported)}"
@@ -230,6 +231,13 @@ def check_pair(text: TextModelFile, mmproj_path: Path, vision: VisionModelConfig
         raise ModelFormatError(
             f"{mmproj_path}: projector output {vision.projection_dim} != text embedding length "
             f"{text.config.hidden_size} of {text.path}; the mmproj belongs to another model"
+        )
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", ()))
+    if deepstack != text.config.num_deepstack_layers:
+        raise ModelFormatError(
+            f"{mmproj_path}: {deepstack} DeepStack blocks ({Keys.ClipVision.IS_DEEPSTACK_LAYERS}) but "
+            f"{text.path} takes {text.config.num_deepstack_layers} ({Keys.LLM.NUM_DEEPSTACK_LAYERS}); "
+            "the mmproj belongs to another model"
         )
 
 

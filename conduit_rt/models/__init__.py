@@ -22,6 +22,7 @@ from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, Prepared
 ARCHITECTURES: dict[str, str] = {
     "llama": "conduit_rt.models.llava",
     "qwen2vl": "conduit_rt.models.qwen2vl",  # Qwen2-VL and Qwen2.5-VL (the mmproj's projector tells them apart)
+    "qwen3vl": "conduit_rt.models.qwen3vl",
 }
 
 
