@@ -24,12 +24,17 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from conduit_rt import Runtime
+from conduit_rt import compress as compression
 from conduit_rt.convert.checkpoint import convert_checkpoint
 from conduit_rt.convert.cli import main as convert_main
 from conduit_rt.errors import ModelFormatError
 from conduit_rt.model_file import check_pair, load_model_dir
 from conduit_rt.models import load_model
 from conduit_rt.preprocess import QwenVLPreprocessParams
+from conduit_rt.refresh import POLICIES
+from conduit_rt.selection import budget_tokens
+from tests.test_compress import record, reference_keep
+from tests.test_conduit import RecordingConduit, reference_selection
 from tests.fixtures.tiny_qwen3vl import DEEPSTACK_INDEXES, MROPE_SECTION, build_tiny_qwen3vl
 from tests.test_qwen2vl import (
     N_NEW,
@@ -213,3 +218,106 @@ def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
     assert second.tokens == whole.tokens
     torch.testing.assert_close(second.logits, whole.logits, atol=1e-4 * whole.logits.abs().max().item(), rtol=0)
     session.close()
+
+
+# -- both methods on Qwen3-VL (docs/methods.md §1 and §2) -------------------------------------------------
+REFRESH_POLICIES = sorted(set(POLICIES) - {"none"})
+
+
+def method_runtime(converted: Path, device: str) -> Runtime:
+    return Runtime(converted / "model.gguf", device=device, kv_cache_bytes=16 << 20, prefix_cache_entries=0)
+
+
+@pytest.fixture
+def warm(checkpoint, device):
+    """A runtime that has seen three pictures of different sizes (their KV and embeddings stored)."""
+    runtime, pics = method_runtime(checkpoint[1], device), images(3, seed=50)
+    runtime.generate(interleaved(pics, "Which is brightest?"), max_tokens=1, refresh="conduit")
+    assert runtime.arena.stats().n_image_entries == 3
+    return runtime, pics
+
+
+def changed_prefix(pics) -> list[dict]:
+    return [{"role": "system", "content": "Another prefix."}] + interleaved([pics[2], pics[0], pics[1]], "Changes?")
+
+
+@pytest.mark.parametrize("policy", REFRESH_POLICIES)
+def test_refreshing_every_restored_image_token_equals_a_cold_prefill(checkpoint, warm, policy, device):
+    """The recompute of a visual token takes its DeepStack features from the embedding cache again."""
+    runtime, pics = warm
+    messages = changed_prefix(pics)
+    refreshed = runtime.generate(messages, max_tokens=1, return_logits=True, refresh=policy, refresh_budget=1.0)
+    assert refreshed.stats.image_hits == 3 and refreshed.stats.refreshed_tokens == refreshed.stats.visual_tokens > 0
+    cold = method_runtime(checkpoint[1], device).generate(messages, max_tokens=1, return_logits=True).logits[0]
+    assert_close_logits(refreshed.logits[0], cold, rtol=1e-5 if device == "cpu" else 3e-2)
+    stale = runtime.generate(messages, max_tokens=1, return_logits=True, refresh="none").logits[0]
+    assert (stale - cold).abs().max() > 1e-3 * cold.abs().max()
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"full"}))
+def test_every_policy_refreshes_exactly_its_budget(warm, policy):
+    runtime, pics = warm
+    result = runtime.generate(interleaved([pics[0], pics[2]], "Tell me."), max_tokens=1, refresh=policy,
+                              refresh_budget=0.1)
+    n_vis = sum(runtime.model.prepare_image(np.asarray(pic)).n_tokens for pic in (pics[0], pics[2]))
+    assert result.stats.visual_tokens == n_vis
+    assert result.stats.refreshed_tokens == budget_tokens(0.1, n_vis) * (policy != "none")
+
+
+@pytest.mark.parametrize("n_images,lam", [(1, 1.0), (3, 2.5)])
+def test_conduit_selection_equals_a_float64_reference(warm, monkeypatch, n_images, lam):
+    runtime, pics = warm
+    recorder = RecordingConduit()
+    monkeypatch.setitem(POLICIES, "conduit", recorder)
+    runtime.generate(interleaved(pics[:n_images][::-1], "Which one has the most red?"), max_tokens=1,
+                     refresh="conduit", refresh_budget=0.2, refresh_options={"lam": lam})
+    expected = reference_selection(recorder.seen)
+    if runtime.device.type == "cpu":
+        assert torch.equal(recorder.chosen, expected)
+    else:  # bf16: near-ties may swap
+        assert len(set(recorder.chosen.tolist()) & set(expected.tolist())) >= 0.9 * expected.numel()
+
+
+@pytest.mark.parametrize("name", sorted(compression.POLICIES))
+def test_keep_everything_equals_no_compression(checkpoint, device, name):
+    runtime, messages = method_runtime(checkpoint[1], device), interleaved(images(2, seed=60), "Describe them.")
+    plain = runtime.generate(messages, max_tokens=6, return_logits=True)
+    kept = runtime.generate(messages, max_tokens=6, return_logits=True, compress=name, keep=1.0)
+    assert kept.tokens == plain.tokens
+    torch.testing.assert_close(kept.logits, plain.logits, atol=1e-5 * plain.logits.abs().max(), rtol=0)
+    assert kept.stats.kv_bytes_after_compress == kept.stats.kv_bytes_before_compress
+
+
+@pytest.mark.parametrize("name", sorted(compression.POLICIES))
+def test_kept_sets_are_exact_in_count_and_equal_a_float64_reference(checkpoint, device, monkeypatch, name):
+    runtime, recorder = method_runtime(checkpoint[1], device), record(monkeypatch, name)
+    result = runtime.generate(interleaved(images(3, seed=61), "Which picture has the most blue?"), max_tokens=1,
+                              compress=name, keep=0.3)
+    kept_fraction = 1.0 if name == "none" else 0.3
+    assert sum(result.stats.kept_tokens_per_layer) == round(
+        kept_fraction * result.stats.prompt_tokens * runtime.model.config.n_layers)
+    expected = reference_keep(recorder)
+    if runtime.device.type == "cpu":
+        assert recorder.kept == expected
+    else:
+        for ours, ref in zip(recorder.kept, expected):
+            assert len(ours) == len(ref) and len(set(ours) & set(ref)) >= 0.9 * len(ref)
+
+
+def test_a_restart_on_the_disk_store_refreshes_with_the_stored_deepstack_features(checkpoint, tmp_path):
+    """The persistent image-KV store keeps the whole embedding width: after a restart, refreshing
+    every restored token equals a cold prefill."""
+    converted, pics = checkpoint[1], images(2, seed=70)
+    with Runtime(converted / "model.gguf", device="cpu", kv_cache_bytes=16 << 20, prefix_cache_entries=0,
+                 cache_dir=tmp_path) as first:
+        first.generate(interleaved(pics, "Which is brightest?"), max_tokens=1)
+    messages = [{"role": "system", "content": "Another prefix."}] + interleaved(pics[::-1], "Changes?")
+    with Runtime(converted / "model.gguf", device="cpu", kv_cache_bytes=16 << 20, prefix_cache_entries=0,
+                 cache_dir=tmp_path) as restarted:
+        refreshed = restarted.generate(messages, max_tokens=1, return_logits=True, refresh="conduit",
+                                       refresh_budget=1.0)
+        assert refreshed.stats.image_disk_hits == 2
+        key = restarted.requests.read(messages).keys[0]
+        assert restarted.requests.embeddings.get(key).shape[1] == restarted.model.config.embedding_width
+    cold = method_runtime(converted, "cpu").generate(messages, max_tokens=1, return_logits=True).logits[0]
+    assert_close_logits(refreshed.logits[0], cold, rtol=1e-5)
