@@ -55,6 +55,7 @@ class ConduitKeys:
     PROCESSOR_CONFIG = "conduit.vision.processor_config"  # str: processor_config.json ("{}" if none)
     FULLATT_BLOCKS = "conduit.vision.fullatt_block_indexes"  # int32[]: Qwen2.5-VL full-attention blocks
     VISION_ROPE_THETA = "conduit.vision.rope_theta"  # float32: base of the vision tower's 2-D RoPE
+    EOS_TOKEN_IDS = "conduit.eos_token_ids"  # uint32[] (text file): every id that ends an answer
 
 
 def llm_key(template: str, arch: str = LLAMA_ARCH) -> str:

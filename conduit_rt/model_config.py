@@ -58,6 +58,7 @@ class TextModelConfig:
     source_config: dict[str, Any] = field(default_factory=dict)  # the source's config.json
     rope_sections: tuple[int, ...] = ()  # M-RoPE (t, h, w) frequency counts ("qwen2vl", "qwen3vl")
     num_deepstack_layers: int = 0  # decoder layers whose outputs take DeepStack features ("qwen3vl")
+    eos_token_ids: tuple[int, ...] = ()  # further ids that end an answer (generation_config.json)
 
     def __post_init__(self) -> None:
         _require(self.architecture in TEXT_ARCHITECTURES,
@@ -83,6 +84,8 @@ class TextModelConfig:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "image_token_id"):
             value = getattr(self, name)
             _require(value is None or 0 <= value < self.vocab_size, f"{name} {value} is outside the vocabulary")
+        _require(all(0 <= value < self.vocab_size for value in self.eos_token_ids),
+                 f"eos_token_ids {self.eos_token_ids} are outside the vocabulary")
         _require(bool(self.tokenizer_json), "tokenizer_json is empty")
 
     @property

@@ -57,6 +57,7 @@ def read_text_config(keys: KeyReader, tensor_names: set[str], arch: str = names.
         source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
         source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
         rope_sections=_rope_sections(keys, key(Keys.Rope.DIMENSION_SECTIONS)) if arch in MROPE_ARCHITECTURES else (),
+        eos_token_ids=tuple(keys.int_list(names.ConduitKeys.EOS_TOKEN_IDS, default=[])),
         num_deepstack_layers=keys.int(key(Keys.LLM.NUM_DEEPSTACK_LAYERS), default=0) if arch == names.QWEN3VL_ARCH else 0,
     )
 

@@ -11,6 +11,7 @@ fed by transformers' own tokenizer and image processor, the prompt expanded as t
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,8 @@ def test_conversion_writes_llama_cpp_names_and_keys(checkpoint):
     assert text_fields["qwen3vl.rope.dimension_sections"] == [*MROPE_SECTION, 0]
     assert text_fields["qwen3vl.n_deepstack_layers"] == len(DEEPSTACK_INDEXES)
     assert text_fields["qwen3vl.attention.key_length"] == 24
+    generation = json.loads((source / "generation_config.json").read_text())
+    assert text_fields["conduit.eos_token_ids"] == generation["eos_token_id"] and len(generation["eos_token_id"]) == 2
     assert fields["clip.projector_type"] == "qwen3vl_merger"
     assert fields["clip.vision.is_deepstack_layers"] == [True, False, True, False]
     assert fields["clip.vision.image_size"] == 4 * 16  # a 4 x 4 position grid of 16-px patches
@@ -113,6 +116,12 @@ def test_conversion_writes_llama_cpp_names_and_keys(checkpoint):
                                weights["model.language_model.layers.1.self_attn.k_proj.weight"], rtol=0, atol=0)
 
 
+def test_every_eos_id_of_the_generation_config_ends_an_answer(checkpoint, model):
+    source, _ = checkpoint
+    generation = json.loads((source / "generation_config.json").read_text())
+    assert model.assets.eos_token_ids == frozenset(generation["eos_token_id"])
+
+
 def test_broken_checkpoints_are_refused_before_writing(checkpoint, tmp_path):
     source, _ = checkpoint
     broken = Path(shutil.copytree(source, tmp_path / "broken"))
@@ -122,6 +131,9 @@ def test_broken_checkpoints_are_refused_before_writing(checkpoint, tmp_path):
     with pytest.raises(ModelFormatError, match=r"v\.deepstack\.2\.norm\.bias"):
         convert_checkpoint(broken, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [502, 100000]}))
+    with pytest.raises(ModelFormatError, match="generation_config.json: eos_token_id"):
+        convert_checkpoint(broken, tmp_path / "out", progress=False)
 
 
 def test_a_mmproj_of_another_deepstack_depth_is_refused(checkpoint):
