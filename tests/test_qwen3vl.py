@@ -333,3 +333,41 @@ def test_a_restart_on_the_disk_store_refreshes_with_the_stored_deepstack_feature
         assert restarted.requests.embeddings.get(key).shape[1] == restarted.model.config.embedding_width
     cold = method_runtime(converted, "cpu").generate(messages, max_tokens=1, return_logits=True).logits[0]
     assert_close_logits(refreshed.logits[0], cold, rtol=1e-5)
+
+
+def hf_logits(ref: Reference, source: Path, messages: list[dict]) -> dict[str, torch.Tensor]:
+    """HF fp32 (CPU) and bf16 (CUDA, SDPA) logits of every prompt position, float32 CPU."""
+    inputs = hf_inputs(ref, messages)
+    hf_bf16 = type(ref.model).from_pretrained(source, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").eval()
+    cuda_inputs = {k: v.cuda() for k, v in inputs.items()}
+    cuda_inputs["pixel_values"] = cuda_inputs["pixel_values"].bfloat16()
+    with torch.no_grad():
+        return {"fp32": ref.model(**inputs).logits[0].float(), "bf16": hf_bf16(**cuda_inputs).logits[0].float().cpu()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_images", [1, 3])
+def test_bf16_cuda_logits_track_transformers(checkpoint, hf, n_images):
+    """bf16 on CUDA: our error against HF fp32 stays within bf16's own (HF bf16 vs HF fp32)."""
+    source, converted = checkpoint
+    messages = interleaved(images(n_images, seed=n_images + 10))
+    ref = hf_logits(hf, source, messages)
+    gpu_model = load_model(converted / "model.gguf", converted / "mmproj.gguf", "cuda", torch.bfloat16)
+    ours = prefill_logits(gpu_model, *our_prompt(gpu_model, messages))
+    hf_error = (ref["bf16"] - ref["fp32"]).abs().max().item()
+    our_error = (ours - ref["fp32"]).abs().max().item()
+    assert our_error <= 2 * hf_error + 1e-2 * ref["fp32"].abs().max().item(), (our_error, hf_error)
+
+
+@pytest.mark.gpu
+def test_bf16_cuda_runtime_first_logits_track_transformers(checkpoint, hf):
+    """The whole request path on CUDA in bf16 (eager prefill with DeepStack, graphed decode)."""
+    source, converted = checkpoint
+    runtime = Runtime(converted / "model.gguf", device="cuda", kv_cache_bytes=16 << 20, image_cache_bytes=0)
+    messages = interleaved(images(3, seed=40), "Describe them.")
+    ref = hf_logits(hf, source, messages)
+    result = runtime.generate(messages, max_tokens=N_NEW, return_logits=True)
+    expected = ref["fp32"][-1]
+    hf_error = (ref["bf16"][-1] - expected).abs().max().item()
+    our_error = (result.logits[0] - expected).abs().max().item()
+    assert our_error <= 2 * hf_error + 1e-2 * expected.abs().max().item(), (our_error, hf_error)
