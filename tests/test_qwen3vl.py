@@ -5,7 +5,8 @@ sections (6, 3, 3), q/k norms, head_dim 24 != hidden / heads, 16-px patches, a 4
 position grid) is converted to f32 GGUF and loaded with ``load_model`` / ``Runtime``; the reference
 is ``Qwen3VLForConditionalGeneration.from_pretrained`` on the source folder (fp32, eager attention)
 fed by transformers' own tokenizer and image processor, the prompt expanded as the processor does
-(``test_qwen2vl.hf_inputs``).
+(``test_qwen2vl.hf_inputs``). The preprocessing, position and multi-turn tests are ``test_qwen2vl``'s,
+collected here on this module's fixtures.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from gguf import GGUFReader
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from conduit_rt import Runtime
@@ -31,21 +31,24 @@ from conduit_rt.convert.cli import main as convert_main
 from conduit_rt.errors import ModelFormatError
 from conduit_rt.model_file import check_pair, load_model_dir
 from conduit_rt.models import load_model
-from conduit_rt.preprocess import QwenVLPreprocessParams
 from conduit_rt.refresh import POLICIES
 from conduit_rt.selection import budget_tokens
 from tests.test_compress import record, reference_keep
 from tests.test_conduit import RecordingConduit, reference_selection
 from tests.fixtures.tiny_qwen3vl import DEEPSTACK_INDEXES, MROPE_SECTION, build_tiny_qwen3vl
-from tests.test_qwen2vl import (
+from tests.test_qwen2vl import (  # noqa: F401 (the tests imported run here on this module's fixtures)
     N_NEW,
     Reference,
     assert_close_logits,
+    hf_generate,
     hf_inputs,
     images,
     interleaved,
     our_prompt,
     prefill_logits,
+    test_multi_turn_equals_one_request_with_the_whole_history,
+    test_preprocessing_equals_the_hf_image_processor,
+    test_rope_positions_equal_hf_get_rope_index,
 )
 
 
@@ -81,12 +84,14 @@ def runtime(checkpoint):
     return Runtime(converted / "model.gguf", device="cpu", kv_cache_bytes=8 << 20)
 
 
+def key_values(path: Path) -> dict:
+    """Every key of a GGUF file and its value, as the ``gguf`` package reads them."""
+    return {field.name: field.contents() for field in GGUFReader(path).fields.values()}
+
+
 def test_conversion_writes_llama_cpp_names_and_keys(checkpoint):
     source, converted = checkpoint
-    weights = load_file(source / "model.safetensors")
-    text, vision = load_model_dir(converted)
-    fields = {field.name: field.contents() for field in GGUFReader(converted / "mmproj.gguf").fields.values()}
-    text_fields = {field.name: field.contents() for field in GGUFReader(converted / "model.gguf").fields.values()}
+    text_fields, fields = key_values(converted / "model.gguf"), key_values(converted / "mmproj.gguf")
     assert text_fields["general.architecture"] == "qwen3vl"
     assert text_fields["qwen3vl.rope.dimension_sections"] == [*MROPE_SECTION, 0]
     assert text_fields["qwen3vl.n_deepstack_layers"] == len(DEEPSTACK_INDEXES)
@@ -96,6 +101,8 @@ def test_conversion_writes_llama_cpp_names_and_keys(checkpoint):
     assert fields["clip.projector_type"] == "qwen3vl_merger"
     assert fields["clip.vision.is_deepstack_layers"] == [True, False, True, False]
     assert fields["clip.vision.image_size"] == 4 * 16  # a 4 x 4 position grid of 16-px patches
+    weights = load_file(source / "model.safetensors")
+    text, vision = load_model_dir(converted)
     conv = weights["model.visual.patch_embed.proj.weight"]
     torch.testing.assert_close(vision.tensor("v.patch_embd.weight.1"), conv[:, :, 1], rtol=0, atol=0)
     pairs = {
@@ -144,17 +151,6 @@ def test_a_mmproj_of_another_deepstack_depth_is_refused(checkpoint):
         check_pair(text, converted / "mmproj.gguf", vision.config)
 
 
-@pytest.mark.parametrize("size", [(41, 97), (13, 300), (500, 31), (7, 9), (250, 250)])
-def test_preprocessing_equals_the_hf_image_processor(hf, model, size):
-    rgb = np.random.default_rng(size[0]).integers(0, 256, (*size, 3), dtype=np.uint8)
-    expected = hf.image_processor(images=[Image.fromarray(rgb)], return_tensors="np")
-    prepared = model.prepare_image(rgb)
-    assert prepared.grid_thw == tuple(expected["image_grid_thw"][0].tolist())
-    assert prepared.n_tokens == int(np.prod(prepared.grid_thw)) // 4
-    np.testing.assert_array_equal(prepared.pixel_values.numpy(), expected["pixel_values"])
-    assert isinstance(model.assets.preprocess, QwenVLPreprocessParams) and model.assets.preprocess.patch_size == 16
-
-
 def test_vision_tower_and_deepstack_features_equal_hf_for_a_batch_of_sizes(hf, model):
     imgs = images(4, seed=4)
     inputs = hf.image_processor(images=imgs, return_tensors="pt")
@@ -164,18 +160,6 @@ def test_vision_tower_and_deepstack_features_equal_hf_for_a_batch_of_sizes(hf, m
     ours = torch.cat(model.encode_images([model.prepare_image(np.asarray(image)) for image in imgs]))
     assert ours.shape == expected.shape == (expected.shape[0], 64 * (1 + len(DEEPSTACK_INDEXES)))
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
-
-
-@pytest.mark.parametrize("n_images", [1, 3])
-def test_rope_positions_equal_hf_get_rope_index(hf, model, n_images):
-    messages = interleaved(images(n_images, seed=5))
-    inputs = hf_inputs(hf, messages)
-    prompt, prepared = our_prompt(model, messages)
-    assert prompt.token_ids == inputs["input_ids"][0].tolist()
-    expected, _ = hf.model.model.get_rope_index(
-        inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
-    )
-    torch.testing.assert_close(model.rope_positions(prompt, prepared).long(), expected[:, 0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n_images", [0, 1, 3])
@@ -193,20 +177,6 @@ def test_prefill_logits_match_transformers_also_in_chunks(hf, model, n_images):
         assert_close_logits(prefill_logits(model, prompt, prepared, cuts), expected)
 
 
-def hf_generate(ref: Reference, messages: list[dict], n_new: int = N_NEW) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy generate: (new ids without a final EOS, per-step logits [steps, vocab])."""
-    inputs = hf_inputs(ref, messages)
-    with torch.no_grad():
-        out = ref.model.generate(
-            **inputs, max_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True
-        )
-    new = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    eos = ref.model.generation_config.eos_token_id
-    if new and new[-1] in (eos if isinstance(eos, list) else [eos]):
-        new = new[:-1]
-    return new, torch.stack(out.logits)[:, 0]
-
-
 @pytest.mark.parametrize("n_images", [0, 1, 3])
 def test_greedy_tokens_and_logits_equal_transformers_generate(hf, runtime, n_images):
     messages = interleaved(images(n_images, seed=20 + n_images), "Describe them.")
@@ -215,21 +185,6 @@ def test_greedy_tokens_and_logits_equal_transformers_generate(hf, runtime, n_ima
     assert result.tokens == expected
     assert_close_logits(result.logits, expected_logits[: result.logits.shape[0]])
     assert result.stats.images == n_images
-
-
-def test_multi_turn_equals_one_request_with_the_whole_history(runtime):
-    session = runtime.chat()
-    imgs = images(2, seed=30)
-    session.send(interleaved(imgs[:1], "What is this?")[0]["content"], max_tokens=6)
-    second = session.send(
-        [{"type": "image", "image": imgs[1]}, {"type": "text", "text": "And this one?"}], max_tokens=8,
-        return_logits=True,
-    )
-    assert second.stats.reused_tokens > 8
-    whole = runtime.generate(session.history[:-1], max_tokens=8, return_logits=True)
-    assert second.tokens == whole.tokens
-    torch.testing.assert_close(second.logits, whole.logits, atol=1e-4 * whole.logits.abs().max().item(), rtol=0)
-    session.close()
 
 
 # -- both methods on Qwen3-VL (docs/methods.md §1 and §2) -------------------------------------------------

@@ -1,6 +1,6 @@
 """Qwen3-VL (``Qwen3VLForConditionalGeneration``) -> ``model.gguf`` + ``mmproj.gguf``, as llama.cpp writes them.
 
-Text (llama.cpp architecture "qwen3vl"): a Qwen3 decoder, tensors as stored (no row permutation:
+Text (llama.cpp architecture "qwen3vl", written by ``qwen2vl_text``): a Qwen3 decoder, tensors as stored (no row permutation:
 the RoPE is rotate-half), ``blk.N.attn_{q,k}_norm`` for the per-head q/k RMSNorm, the M-RoPE
 sections as ``qwen3vl.rope.dimension_sections`` padded to four entries (the interleaving is implied
 by the architecture) and ``qwen3vl.n_deepstack_layers``. Vision (projector "qwen3vl_merger"): the
@@ -13,25 +13,22 @@ activation and RoPE base, the preprocessor JSON and the source fingerprint (``co
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from gguf import MODEL_ARCH, MODEL_TENSOR, GGUFWriter
-import gguf
+from gguf import MODEL_TENSOR, GGUFWriter
 
 from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
-from ..model_config import QwenVisionConfig, TextModelConfig
+from ..model_config import QwenVisionConfig
 from ..preprocess import QwenVLPreprocessParams
-from . import clip_vision, parts
+from . import clip_vision, parts, qwen2vl_text
 from .clip_vision import add_vision_tower_keys, image_processor_config
-from .gguf_output import ConvertedFiles, OutputDtype, PlannedTensor, named_tensors, plan_tensors, storage_type, write_gguf
-from .llama_text import add_text_keys
-from .qwen2vl_text import mrope_settings
+from .gguf_output import ConvertedFiles, OutputDtype, PlannedTensor, storage_type
+from .qwen2vl_vision import add_conduit_vision_keys
 from .source import SourceCheckpoint
-from .tokenizer_meta import TokenizerMeta, read_tokenizer
+from .tokenizer_meta import read_tokenizer
 
 HF_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 DESCRIPTION = ("Qwen3-VL: ViT with learned + 2-D RoPE positions and DeepStack mergers, 2x2 merger, "
@@ -70,11 +67,12 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
     tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
     source_id = source.fingerprint()
     vision_hf = VISION_DEFAULTS | {k: v for k, v in (source.config.get("vision_config") or {}).items() if v is not None}
-    text_config = parts.build_config(source, lambda: qwen3vl_text_config(
+    text_config = parts.build_config(source, lambda: qwen2vl_text.qwen2vl_text_config(
         hparams, tokenizer, image_token_id=int(source.config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID)),
-        deepstack_layers=len(vision_hf["deepstack_visual_indexes"]), source_id=source_id, source_config=source.config,
+        source_id=source_id, source_config=source.config, architecture=names.QWEN3VL_ARCH,
+        num_deepstack_layers=len(vision_hf["deepstack_visual_indexes"]),
     ))
-    text_tensors = plan_text_tensors(source, tensors["text"], text_config, dtype)
+    text_tensors = qwen2vl_text.plan_text_tensors(source, tensors["text"], text_config, dtype)
     vision_config = parts.build_config(source, lambda: qwen3_vision_config(
         vision_hf, text_hidden=text_config.hidden_size, preprocessor=image_processor_config(source),
         processor=parts.processor_settings(source), source_id=source_id, source_config=source.config,
@@ -83,7 +81,7 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
 
     outdir.mkdir(parents=True, exist_ok=True)
     common = {"dtype": dtype, "model_name": source.name, "source_config_text": source.config_text, "progress": progress}
-    text_path = write_text_model(outdir / names.TEXT_FILE_NAME, text_config, tokenizer, text_tensors, **common)
+    text_path = qwen2vl_text.write_text_model(outdir / names.TEXT_FILE_NAME, text_config, tokenizer, text_tensors, **common)
     mmproj_path = clip_vision.write_mmproj(outdir / names.MMPROJ_FILE_NAME, vision_config, vision_tensors,
                                            mmproj_keys=add_mmproj_keys, **common)
     return ConvertedFiles(text_model=text_path, mmproj=mmproj_path)
@@ -100,53 +98,6 @@ def text_hparams(hf_config: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedArchitectureError("Qwen3 decoder with attention_bias=true is not supported")
     hparams["num_key_value_heads"] = hparams["num_key_value_heads"] or hparams["num_attention_heads"]
     return hparams
-
-
-def qwen3vl_text_config(
-    hparams: dict[str, Any], tokenizer: TokenizerMeta, *, image_token_id: int, deepstack_layers: int,
-    source_id: str, source_config: dict[str, Any],
-) -> TextModelConfig:
-    """The conduit-rt text config (validated at construction) of a Qwen3-VL decoder."""
-    theta, sections = mrope_settings(hparams)
-    return TextModelConfig(
-        architecture=names.QWEN3VL_ARCH, vocab_size=len(tokenizer.tokens), hidden_size=hparams["hidden_size"],
-        intermediate_size=hparams["intermediate_size"], num_hidden_layers=hparams["num_hidden_layers"],
-        num_attention_heads=hparams["num_attention_heads"], num_key_value_heads=hparams["num_key_value_heads"],
-        head_dim=hparams["head_dim"], rms_norm_eps=float(hparams["rms_norm_eps"]), rope_theta=theta,
-        rope_scaling_type=None, rope_scaling_factor=1.0, max_position_embeddings=hparams["max_position_embeddings"],
-        tie_word_embeddings=hparams["tie_word_embeddings"], bos_token_id=tokenizer.special_ids["bos"],
-        eos_token_id=tokenizer.special_ids["eos"], pad_token_id=tokenizer.special_ids["pad"],
-        unk_token_id=tokenizer.special_ids["unk"], image_token_id=image_token_id, add_bos_token=tokenizer.add_bos,
-        add_eos_token=tokenizer.add_eos, tokens=tuple(tokenizer.tokens), chat_template=tokenizer.chat_template,
-        tokenizer_json=tokenizer.tokenizer_json, source_id=source_id, source_config=source_config,
-        rope_sections=sections, num_deepstack_layers=deepstack_layers,
-    )
-
-
-def plan_text_tensors(
-    source: SourceCheckpoint, stored_names: dict[str, str], config: TextModelConfig, dtype: OutputDtype,
-) -> list[PlannedTensor]:
-    """One ``PlannedTensor`` per GGUF tensor, in ``config.tensor_shapes`` order, rows as stored."""
-    name_map = gguf.get_tensor_name_map(MODEL_ARCH.QWEN3VL, config.num_hidden_layers)
-    tied = config.tie_word_embeddings
-    expected = config.tensor_shapes()
-    found = named_tensors(source.root, stored_names, name_map, expected, "Qwen3-VL",
-                          lambda hf_name: hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"))
-    return plan_tensors(source.root, found, expected, "text", dtype, source.shape,
-                        lambda stored, gguf_name: lambda: source.tensor(stored))
-
-
-def write_text_model(
-    path: Path, config: TextModelConfig, tokenizer: TokenizerMeta, tensors: list[PlannedTensor], *,
-    dtype: OutputDtype, model_name: str, source_config_text: str, progress: bool,
-) -> Path:
-    def add_keys(writer: GGUFWriter) -> None:
-        add_text_keys(writer, config, tokenizer, dtype, model_name)
-        writer.add_rope_dimension_sections([*config.rope_sections, 0])  # llama.cpp reads four entries
-        writer.add_num_deepstack_layers(config.num_deepstack_layers)
-        writer.add_string(names.ConduitKeys.SOURCE_CONFIG, source_config_text)
-
-    return write_gguf(path, names.QWEN3VL_ARCH, add_keys, tensors, progress=progress)
 
 
 def qwen3_vision_config(
@@ -217,13 +168,7 @@ def add_mmproj_keys(writer: GGUFWriter, config: QwenVisionConfig, dtype: OutputD
     writer.add_vision_max_pixels(preprocess.max_pixels)
     deepstack = set(config.deepstack_visual_indexes)
     writer.add_vision_is_deepstack_layers([block in deepstack for block in range(config.num_hidden_layers)])
-    keys = names.ConduitKeys
-    writer.add_string(keys.VISION_HIDDEN_ACT, config.hidden_act)
-    writer.add_float32(keys.VISION_ROPE_THETA, config.rope_theta)
-    writer.add_string(keys.PREPROCESSOR_CONFIG, json.dumps(config.preprocessor_config))
-    writer.add_string(keys.PROCESSOR_CONFIG, json.dumps(config.processor_config))
-    writer.add_string(keys.SOURCE_ID, config.source_id)
+    add_conduit_vision_keys(writer, config)
 
 
-__all__ = ["DESCRIPTION", "HF_ARCHITECTURE", "convert", "plan_text_tensors", "plan_vision_tensors",
-           "qwen3_vision_config", "qwen3vl_text_config", "text_hparams"]
+__all__ = ["DESCRIPTION", "HF_ARCHITECTURE", "convert", "plan_vision_tensors", "qwen3_vision_config", "text_hparams"]
