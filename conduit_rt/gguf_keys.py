@@ -75,6 +75,9 @@ class KeyReader:
     def int_list(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._array(key, _INT_TYPES, "integers", int, default)
 
+    def bool_list(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._array(key, frozenset({GGUFValueType.BOOL}), "bools", bool, default)
+
     def _scalar(self, key: str, allowed: frozenset, what: str, cast: type, default: Any) -> Any:
         field = self._fields.get(key)
         if field is None:

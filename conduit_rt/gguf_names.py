@@ -36,6 +36,8 @@ QWEN2VL_ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2VL]  # "qwen2vl": Qwen2 decoder 
 PROJECTOR_QWEN2VL = gguf.VisionProjectorType.QWEN2VL  # "qwen2vl_merger"
 PROJECTOR_QWEN25VL = gguf.VisionProjectorType.QWEN25VL  # "qwen2.5vl_merger"
 QWEN_PROJECTORS = (PROJECTOR_QWEN2VL, PROJECTOR_QWEN25VL)
+QWEN3VL_ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3VL]  # "qwen3vl": Qwen3 decoder, interleaved M-RoPE, DeepStack
+PROJECTOR_QWEN3VL = gguf.VisionProjectorType.QWEN3VL  # "qwen3vl_merger"
 PATCH_EMBD_FRAME_1 = "v.patch_embd.weight.1"  # second temporal slice of Qwen's Conv3D patch embedding
 QWEN2_ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2]  # "qwen2": Qwen2 decoder with 1-D RoPE (InternVL3's)
 PROJECTOR_INTERNVL = gguf.VisionProjectorType.INTERNVL  # "internvl": InternViT, pixel shuffle, LN + MLP
@@ -55,6 +57,7 @@ class ConduitKeys:
     PROCESSOR_CONFIG = "conduit.vision.processor_config"  # str: processor_config.json ("{}" if none)
     FULLATT_BLOCKS = "conduit.vision.fullatt_block_indexes"  # int32[]: Qwen2.5-VL full-attention blocks
     VISION_ROPE_THETA = "conduit.vision.rope_theta"  # float32: base of the vision tower's 2-D RoPE
+    EOS_TOKEN_IDS = "conduit.eos_token_ids"  # uint32[] (text file): every id that ends an answer
 
 
 def llm_key(template: str, arch: str = LLAMA_ARCH) -> str:
@@ -306,6 +309,105 @@ def qwen_vision_mmproj_tensor_shapes(
     return shapes
 
 
+def qwen3_attention_norm_shapes(*, num_layers: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """``blk.N.attn_{q,k}_norm.weight`` [head_dim] of a Qwen3 decoder (RMSNorm of each q/k head)."""
+    return {tensor_name(kind, "weight", layer): (head_dim,)
+            for layer in range(num_layers) for kind in (MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM)}
+
+
+def qwen3vl_mmproj_tensor_shapes(
+    *, hidden_size: int, intermediate_size: int, num_layers: int, num_channels: int, patch_size: int,
+    merge_size: int, projection_dim: int, num_positions: int, deepstack_layers: tuple[int, ...],
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen3-VL ``mmproj.gguf`` (projector "qwen3vl_merger"), as llama.cpp names them.
+
+    =================================  =====================  ==========================================
+    GGUF name                          shape                  Hugging Face ``visual.*``
+    =================================  =====================  ==========================================
+    v.patch_embd.weight / .weight.1    [E, C, p, p]           patch_embed.proj.weight[:, :, 0 / 1]
+    v.patch_embd.bias                  [E]                    patch_embed.proj.bias
+    v.position_embd.weight             [n_pos, E]             pos_embed.weight (a square grid)
+    v.blk.N.ln1 / ln2.{weight,bias}    [E]                    blocks.N.norm1 / norm2 (LayerNorm)
+    v.blk.N.attn_qkv.{weight,bias}     [3E, E] / [3E]         blocks.N.attn.qkv (fused, rows q|k|v)
+    v.blk.N.attn_out.{weight,bias}     [E, E] / [E]           blocks.N.attn.proj
+    v.blk.N.ffn_up / ffn_down          [I, E] / [E, I]        blocks.N.mlp.linear_fc1 / linear_fc2
+    v.post_ln.{weight,bias}            [E]                    merger.norm
+    mm.0 / mm.2.{weight,bias}          [E m^2, E m^2] / ...   merger.linear_fc1 / linear_fc2
+    v.deepstack.N.norm.{weight,bias}   [E m^2]                deepstack_merger_list.i.norm (N: block)
+    v.deepstack.N.fc1 / fc2            [E m^2, E m^2] / ...   deepstack_merger_list.i.linear_fc1 / fc2
+    =================================  =====================  ==========================================
+
+    A DeepStack merger is numbered by the vision block whose output it reads (llama.cpp's
+    convention), not by its place in ``deepstack_merger_list``.
+    """
+    merged = hidden_size * merge_size**2
+    patch = (hidden_size, num_channels, patch_size, patch_size)
+    shapes: dict[str, tuple[int, ...]] = {
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH): patch, PATCH_EMBD_FRAME_1: patch,
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH, "bias"): (hidden_size,),
+        tensor_name(MODEL_TENSOR.V_ENC_EMBD_POS): (num_positions, hidden_size),
+    }
+    linear = {
+        MODEL_TENSOR.V_ENC_ATTN_QKV: (3 * hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_ATTN_O: (hidden_size, hidden_size),
+        MODEL_TENSOR.V_ENC_FFN_UP: (intermediate_size, hidden_size),
+        MODEL_TENSOR.V_ENC_FFN_DOWN: (hidden_size, intermediate_size),
+    }
+    for layer in range(num_layers):
+        for kind in (MODEL_TENSOR.V_ENC_INPUT_NORM, MODEL_TENSOR.V_ENC_POST_ATTN_NORM):
+            for suffix in ("weight", "bias"):
+                shapes[tensor_name(kind, suffix, layer)] = (hidden_size,)
+        for kind, (rows, cols) in linear.items():
+            shapes[tensor_name(kind, "weight", layer)] = (rows, cols)
+            shapes[tensor_name(kind, "bias", layer)] = (rows,)
+    for suffix in ("weight", "bias"):
+        shapes[tensor_name(MODEL_TENSOR.V_POST_NORM, suffix)] = (hidden_size,)
+    for index, rows in ((0, merged), (2, projection_dim)):
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, "weight", index)] = (rows, merged)
+        shapes[tensor_name(MODEL_TENSOR.V_MMPROJ, "bias", index)] = (rows,)
+    for layer in deepstack_layers:
+        for kind, rows in ((MODEL_TENSOR.V_DS_FC1, merged), (MODEL_TENSOR.V_DS_FC2, projection_dim)):
+            shapes[tensor_name(kind, "weight", layer)] = (rows, merged)
+            shapes[tensor_name(kind, "bias", layer)] = (rows,)
+        for suffix in ("weight", "bias"):
+            shapes[tensor_name(MODEL_TENSOR.V_DS_NORM, suffix, layer)] = (merged,)
+    return shapes
+
+
+_QWEN3VL_BLOCK_TENSORS = {
+    "norm1": MODEL_TENSOR.V_ENC_INPUT_NORM, "norm2": MODEL_TENSOR.V_ENC_POST_ATTN_NORM,
+    "attn.qkv": MODEL_TENSOR.V_ENC_ATTN_QKV, "attn.proj": MODEL_TENSOR.V_ENC_ATTN_O,
+    "mlp.linear_fc1": MODEL_TENSOR.V_ENC_FFN_UP, "mlp.linear_fc2": MODEL_TENSOR.V_ENC_FFN_DOWN,
+}
+_QWEN3VL_MERGER_TENSORS = {"norm": MODEL_TENSOR.V_POST_NORM, "linear_fc1": (MODEL_TENSOR.V_MMPROJ, 0),
+                           "linear_fc2": (MODEL_TENSOR.V_MMPROJ, 2)}
+_QWEN3VL_DEEPSTACK_TENSORS = {"norm": MODEL_TENSOR.V_DS_NORM, "linear_fc1": MODEL_TENSOR.V_DS_FC1,
+                              "linear_fc2": MODEL_TENSOR.V_DS_FC2}
+
+
+def qwen3vl_vision_tensor_name(relative: str, deepstack_indexes: tuple[int, ...]) -> str | None:
+    """The GGUF name of a Qwen3-VL ``visual.*`` tensor (``relative`` to ``visual``, e.g.
+    ``blocks.0.attn.qkv.weight``; see ``qwen3vl_mmproj_tensor_shapes``), or None for a name that is
+    not one. The Conv3D ``patch_embed.proj.weight`` is two GGUF tensors and has no single name."""
+    module, _, suffix = relative.rpartition(".")
+    parts = module.split(".")
+    if module == "patch_embed.proj" and suffix == "bias":
+        return tensor_name(MODEL_TENSOR.V_ENC_EMBD_PATCH, "bias")
+    if module == "pos_embed" and suffix == "weight":
+        return tensor_name(MODEL_TENSOR.V_ENC_EMBD_POS)
+    if len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit():
+        kind = _QWEN3VL_BLOCK_TENSORS.get(".".join(parts[2:]))
+        return tensor_name(kind, suffix, int(parts[1])) if kind else None
+    if len(parts) == 2 and parts[0] == "merger" and parts[1] in _QWEN3VL_MERGER_TENSORS:
+        kind = _QWEN3VL_MERGER_TENSORS[parts[1]]
+        return tensor_name(kind[0], suffix, kind[1]) if isinstance(kind, tuple) else tensor_name(kind, suffix)
+    if len(parts) == 3 and parts[0] == "deepstack_merger_list" and parts[1].isdigit():
+        index, kind = int(parts[1]), _QWEN3VL_DEEPSTACK_TENSORS.get(parts[2])
+        if kind and index < len(deepstack_indexes):
+            return tensor_name(kind, suffix, deepstack_indexes[index])  # numbered by the block it reads
+    return None
+
+
 _ATTN_Q = TENSOR_NAMES[MODEL_TENSOR.ATTN_Q].split(".")[-1]  # "attn_q"
 _ATTN_K = TENSOR_NAMES[MODEL_TENSOR.ATTN_K].split(".")[-1]  # "attn_k"
 
@@ -348,8 +450,10 @@ __all__ = [
     "PROJECTOR_MLP",
     "PROJECTOR_QWEN2VL",
     "PROJECTOR_QWEN25VL",
+    "PROJECTOR_QWEN3VL",
     "QWEN2VL_ARCH",
     "QWEN2_ARCH",
+    "QWEN3VL_ARCH",
     "QWEN_PROJECTORS",
     "TEXT_FILE_NAME",
     "TYPE_MMPROJ",
@@ -365,6 +469,9 @@ __all__ = [
     "llama_text_tensor_shapes",
     "llm_key",
     "qwen2_attention_bias_shapes",
+    "qwen3_attention_norm_shapes",
+    "qwen3vl_mmproj_tensor_shapes",
+    "qwen3vl_vision_tensor_name",
     "qwen_vision_mmproj_tensor_shapes",
     "rope_permute_heads",
     "tensor_name",

@@ -7,14 +7,16 @@ reads the keys back into the same classes (``model_file``). Invalid values raise
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from conduit_rt import gguf_names as names
 
 SUPPORTED_ROPE_SCALING = (None, "linear")
-TEXT_ARCHITECTURES = (names.LLAMA_ARCH, names.QWEN2VL_ARCH, names.QWEN2_ARCH)
+TEXT_ARCHITECTURES = (names.LLAMA_ARCH, names.QWEN2VL_ARCH, names.QWEN2_ARCH, names.QWEN3VL_ARCH)
 QWEN2_DECODERS = (names.QWEN2VL_ARCH, names.QWEN2_ARCH)  # q/k/v biases, no o_proj bias
+MROPE_ARCHITECTURES = (names.QWEN2VL_ARCH, names.QWEN3VL_ARCH)
 VISION_FEATURE_SELECT = ("default", "full")
 # InternVL checkpoints tile an image into at most 12 (documents: 40) tiles; the bound keeps a file
 # from making each image cost thousands of tower passes.
@@ -27,10 +29,13 @@ class TextModelConfig:
 
     ``architecture`` "qwen2vl" is a Qwen2 decoder (a Llama with q/k/v biases) with M-RoPE: its
     ``rope_sections`` (t, h, w) split the rotary frequencies among the three position rows; "qwen2"
-    is the same decoder with 1-D RoPE (InternVL3's).
+    is the same decoder with 1-D RoPE (InternVL3's). "qwen3vl" is a Qwen3 decoder (RMSNorm of each q
+    and k head, no biases) whose M-RoPE sections interleave (frequency j turns with h when j % 3 == 1,
+    with w when j % 3 == 2, within the sections' extent) and whose first ``num_deepstack_layers``
+    layers receive DeepStack features.
     """
 
-    architecture: str  # "llama", "qwen2vl" or "qwen2"
+    architecture: str  # "llama", "qwen2vl", "qwen2" or "qwen3vl"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,15 +61,20 @@ class TextModelConfig:
     tokenizer_json: str  # tokenizer.huggingface.json: the whole tokenizer.json text
     source_id: str  # conduit.source_id; "" when the file was not written by conduit-rt
     source_config: dict[str, Any] = field(default_factory=dict)  # the source's config.json
-    rope_sections: tuple[int, ...] = ()  # M-RoPE (t, h, w) frequency counts ("qwen2vl" only)
+    rope_sections: tuple[int, ...] = ()  # M-RoPE (t, h, w) frequency counts ("qwen2vl", "qwen3vl")
+    num_deepstack_layers: int = 0  # decoder layers whose outputs take DeepStack features ("qwen3vl")
+    eos_token_ids: tuple[int, ...] = ()  # further ids that end an answer (generation_config.json)
 
     def __post_init__(self) -> None:
         _require(self.architecture in TEXT_ARCHITECTURES,
                  f"text architecture {self.architecture!r} is not one of {TEXT_ARCHITECTURES}")
-        is_qwen = self.architecture == names.QWEN2VL_ARCH
+        is_qwen = self.architecture in MROPE_ARCHITECTURES
         _require(not is_qwen or (len(self.rope_sections) == 3 and sum(self.rope_sections) == self.head_dim // 2),
                  f"M-RoPE sections {self.rope_sections} must be 3 counts summing to head_dim / 2 = {self.head_dim // 2}")
-        _require(is_qwen or not self.rope_sections, "rope_sections are for the qwen2vl architecture only")
+        _require(is_qwen or not self.rope_sections, "rope_sections are for the qwen2vl and qwen3vl architectures only")
+        _require(0 <= self.num_deepstack_layers <= self.num_hidden_layers
+                 and (self.architecture == names.QWEN3VL_ARCH or not self.num_deepstack_layers),
+                 f"num_deepstack_layers {self.num_deepstack_layers} must be within the decoder's layers (qwen3vl only)")
         _require_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"))
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
@@ -79,6 +89,8 @@ class TextModelConfig:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "image_token_id"):
             value = getattr(self, name)
             _require(value is None or 0 <= value < self.vocab_size, f"{name} {value} is outside the vocabulary")
+        _require(all(0 <= value < self.vocab_size for value in self.eos_token_ids),
+                 f"eos_token_ids {self.eos_token_ids} are outside the vocabulary")
         _require(bool(self.tokenizer_json), "tokenizer_json is empty")
 
     @property
@@ -89,7 +101,8 @@ class TextModelConfig:
     def tensor_shapes(self, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:
         """GGUF name -> HF-convention shape of every tensor this config implies (see ``gguf_names``).
 
-        ``attention_bias`` adds Llama's q/k/v/o biases; a "qwen2vl" or "qwen2" decoder always has q/k/v biases.
+        ``attention_bias`` adds Llama's q/k/v/o biases; a "qwen2vl" or "qwen2" decoder always has q/k/v
+        biases, a "qwen3vl" decoder always has its q/k norms.
         """
         shapes = names.llama_text_tensor_shapes(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -107,6 +120,8 @@ class TextModelConfig:
                 num_layers=self.num_hidden_layers, hidden_size=self.hidden_size,
                 q_rows=self.num_attention_heads * self.head_dim, kv_rows=self.num_key_value_heads * self.head_dim,
             )
+        if self.architecture == names.QWEN3VL_ARCH:
+            shapes |= names.qwen3_attention_norm_shapes(num_layers=self.num_hidden_layers, head_dim=self.head_dim)
         return shapes
 
 
@@ -186,15 +201,19 @@ class VisionModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class QwenVisionConfig:
-    """``mmproj.gguf`` of Qwen2-VL ("qwen2vl_merger") or Qwen2.5-VL ("qwen2.5vl_merger"), plus preprocessing.
+    """``mmproj.gguf`` of Qwen2-VL ("qwen2vl_merger"), Qwen2.5-VL ("qwen2.5vl_merger") or Qwen3-VL
+    ("qwen3vl_merger"), plus preprocessing.
 
     The tower embeds 14-px patches of 2 frames (Conv3D), runs ``num_hidden_layers`` pre-norm blocks
     with 2-D RoPE (bidirectional attention within each image; Qwen2.5-VL restricts all blocks but
     ``fullatt_block_indexes`` to ``window_size``-pixel windows), then the merger concatenates each
-    ``spatial_merge_size``^2 block of patches and projects it to the text width.
+    ``spatial_merge_size``^2 block of patches and projects it to the text width. Qwen3-VL adds a bias
+    to the patch embedding and a learned square grid of ``num_position_embeddings`` position
+    embeddings (interpolated to each image's grid), and merges the outputs of the
+    ``deepstack_visual_indexes`` blocks with mergers of their own (DeepStack features).
     """
 
-    projector_type: str  # "qwen2vl_merger" or "qwen2.5vl_merger"
+    projector_type: str  # "qwen2vl_merger", "qwen2.5vl_merger" or "qwen3vl_merger"
     patch_size: int
     temporal_patch_size: int  # 2 (the Conv3D is stored as two Conv2D slices)
     spatial_merge_size: int
@@ -215,11 +234,22 @@ class QwenVisionConfig:
     processor_config: dict[str, Any]
     source_id: str
     source_config: dict[str, Any] = field(default_factory=dict)
+    num_position_embeddings: int = 0  # Qwen3-VL: learned positions, a square grid
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose outputs feed DeepStack
 
     def __post_init__(self) -> None:
         _require_positive(self, ("patch_size", "spatial_merge_size", "num_channels", "hidden_size", "intermediate_size",
                                  "num_hidden_layers", "num_attention_heads", "projection_dim"))
-        _require(self.projector_type in names.QWEN_PROJECTORS, f"projector type {self.projector_type!r} is not a Qwen merger")
+        _require(self.projector_type in (*names.QWEN_PROJECTORS, names.PROJECTOR_QWEN3VL),
+                 f"projector type {self.projector_type!r} is not a Qwen merger")
+        side = math.isqrt(self.num_position_embeddings)
+        _require(not self.is_qwen3 or (side > 0 and side * side == self.num_position_embeddings),
+                 f"num_position_embeddings {self.num_position_embeddings} must be a positive square (Qwen3-VL)")
+        _require(self.is_qwen3 or not self.deepstack_visual_indexes, "deepstack_visual_indexes are for Qwen3-VL only")
+        _require(all(0 <= index < self.num_hidden_layers for index in self.deepstack_visual_indexes)
+                 and len(set(self.deepstack_visual_indexes)) == len(self.deepstack_visual_indexes),
+                 f"deepstack_visual_indexes {self.deepstack_visual_indexes} must be distinct blocks of the "
+                 f"{self.num_hidden_layers}")
         _require(self.temporal_patch_size == 2, f"temporal_patch_size {self.temporal_patch_size} is not supported (2 only)")
         _require(self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 4 == 0,
                  f"vision head_dim {self.hidden_size}/{self.num_attention_heads} must be a multiple of 4 (2-D RoPE)")
@@ -237,6 +267,11 @@ class QwenVisionConfig:
         return self.projector_type == names.PROJECTOR_QWEN25VL
 
     @property
+    def is_qwen3(self) -> bool:
+        """Qwen3-VL: patch-embedding bias, learned positions, DeepStack mergers."""
+        return self.projector_type == names.PROJECTOR_QWEN3VL
+
+    @property
     def uses_windows(self) -> bool:
         return self.is_qwen25 and self.window_size > 0
 
@@ -250,7 +285,15 @@ class QwenVisionConfig:
         return self.patch_size * self.spatial_merge_size
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """GGUF name -> HF-convention shape of every tensor (``gguf_names.qwen_vision_mmproj_tensor_shapes``)."""
+        """GGUF name -> HF-convention shape of every tensor (``gguf_names.qwen_vision_mmproj_tensor_shapes``,
+        ``gguf_names.qwen3vl_mmproj_tensor_shapes``)."""
+        if self.is_qwen3:
+            return names.qwen3vl_mmproj_tensor_shapes(
+                hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                num_layers=self.num_hidden_layers, num_channels=self.num_channels, patch_size=self.patch_size,
+                merge_size=self.spatial_merge_size, projection_dim=self.projection_dim,
+                num_positions=self.num_position_embeddings, deepstack_layers=self.deepstack_visual_indexes,
+            )
         return names.qwen_vision_mmproj_tensor_shapes(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_layers=self.num_hidden_layers,
             num_channels=self.num_channels, patch_size=self.patch_size, merge_size=self.spatial_merge_size,

@@ -64,9 +64,10 @@ QWEN_MAX_PIXELS = 28 * 28 * 16384
 RESAMPLING_FILTERS = frozenset(filter_.value for filter_ in Image.Resampling)
 # text architecture -> the projectors its mmproj may have
 _PROJECTORS = {names.LLAMA_ARCH: (names.PROJECTOR_MLP,), names.QWEN2VL_ARCH: names.QWEN_PROJECTORS,
-               names.QWEN2_ARCH: (names.PROJECTOR_INTERNVL,)}
+               names.QWEN2_ARCH: (names.PROJECTOR_INTERNVL,), names.QWEN3VL_ARCH: (names.PROJECTOR_QWEN3VL,)}
 # projector type -> the reader of its mmproj keys
 _VISION_READERS = {names.PROJECTOR_MLP: read_vision_config, names.PROJECTOR_INTERNVL: read_internvl_vision_config,
+                   names.PROJECTOR_QWEN3VL: read_qwen_vision_config,
                    **dict.fromkeys(names.QWEN_PROJECTORS, read_qwen_vision_config)}
 # little-endian element type of each unquantized readable type
 _PLAIN_DTYPES = {GGMLQuantizationType.F32: "<f4", GGMLQuantizationType.F16: "<f2", GGMLQuantizationType.BF16: "<i2"}
@@ -246,6 +247,13 @@ def check_pair(text: TextModelFile, mmproj_path: Path, vision: VisionModelConfig
         raise ModelFormatError(
             f"{mmproj_path}: projector output {vision.projection_dim} != text embedding length "
             f"{text.config.hidden_size} of {text.path}; the mmproj belongs to another model"
+        )
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", ()))
+    if deepstack != text.config.num_deepstack_layers:
+        raise ModelFormatError(
+            f"{mmproj_path}: {deepstack} DeepStack blocks ({Keys.ClipVision.IS_DEEPSTACK_LAYERS}) but "
+            f"{text.path} takes {text.config.num_deepstack_layers} ({Keys.LLM.NUM_DEEPSTACK_LAYERS}); "
+            "the mmproj belongs to another model"
         )
 
 

@@ -13,7 +13,9 @@ from gguf import Keys
 
 from conduit_rt import gguf_names as names
 from conduit_rt.gguf_keys import KeyReader
-from conduit_rt.model_config import InternVLVisionConfig, QwenVisionConfig, TextModelConfig, VisionModelConfig
+from conduit_rt.model_config import (MROPE_ARCHITECTURES, InternVLVisionConfig, QwenVisionConfig, TextModelConfig,
+                                     VisionModelConfig)
+
 
 def read_text_config(keys: KeyReader, tensor_names: set[str], arch: str = names.LLAMA_ARCH) -> TextModelConfig:
     """The text hyperparameters and tokenizer from a ``model.gguf``'s keys (``{arch}.*``);
@@ -56,7 +58,9 @@ def read_text_config(keys: KeyReader, tensor_names: set[str], arch: str = names.
         tokenizer_json=keys.str(Keys.Tokenizer.HF_JSON),
         source_id=keys.str(names.ConduitKeys.SOURCE_ID, default=""),
         source_config=keys.json(names.ConduitKeys.SOURCE_CONFIG, default={}),
-        rope_sections=_rope_sections(keys, key(Keys.Rope.DIMENSION_SECTIONS)) if arch == names.QWEN2VL_ARCH else (),
+        rope_sections=_rope_sections(keys, key(Keys.Rope.DIMENSION_SECTIONS)) if arch in MROPE_ARCHITECTURES else (),
+        eos_token_ids=tuple(keys.int_list(names.ConduitKeys.EOS_TOKEN_IDS, default=[])),
+        num_deepstack_layers=keys.int(key(Keys.LLM.NUM_DEEPSTACK_LAYERS), default=0) if arch == names.QWEN3VL_ARCH else 0,
     )
 
 
@@ -90,7 +94,8 @@ def read_qwen_vision_config(keys: KeyReader, n_tensors: int) -> QwenVisionConfig
     vision = Keys.ClipVision
     projector = keys.str(Keys.Clip.PROJECTOR_TYPE)
     preprocessor = keys.json(names.ConduitKeys.PREPROCESSOR_CONFIG, default={})
-    is_qwen25 = projector == names.PROJECTOR_QWEN25VL
+    is_qwen25, is_qwen3 = projector == names.PROJECTOR_QWEN25VL, projector == names.PROJECTOR_QWEN3VL
+    default_act = "gelu_pytorch_tanh" if is_qwen3 else "silu" if is_qwen25 else "quick_gelu"
     return QwenVisionConfig(
         projector_type=projector,
         patch_size=keys.int(vision.PATCH_SIZE),
@@ -102,12 +107,13 @@ def read_qwen_vision_config(keys: KeyReader, n_tensors: int) -> QwenVisionConfig
         num_hidden_layers=keys.int(vision.BLOCK_COUNT, maximum=n_tensors),
         num_attention_heads=keys.int(vision.Attention.HEAD_COUNT),
         layer_norm_eps=keys.float(vision.Attention.LAYERNORM_EPS, default=1e-6),
-        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default="silu" if is_qwen25 else "quick_gelu"),
+        hidden_act=keys.str(names.ConduitKeys.VISION_HIDDEN_ACT, default=default_act),
         projection_dim=keys.int(vision.PROJECTION_DIM),
         window_size=keys.int(vision.WINDOW_SIZE, default=112 if is_qwen25 else 0),
         fullatt_block_indexes=_full_attention_blocks(keys, n_tensors) if is_qwen25 else (),
         rope_theta=keys.float(names.ConduitKeys.VISION_ROPE_THETA, default=10000.0),
         **_preprocessing_and_source(keys, preprocessor),
+        **(_qwen3_vision_fields(keys, n_tensors) if is_qwen3 else {}),
     )
 
 
@@ -144,6 +150,18 @@ def _fixed_size_tower(keys: KeyReader, n_tensors: int) -> dict:
         "projector_hidden_act": keys.str(names.ConduitKeys.PROJECTOR_HIDDEN_ACT, default="gelu"),
         "projection_dim": keys.int(vision.PROJECTION_DIM),
     }
+
+
+def _qwen3_vision_fields(keys: KeyReader, n_tensors: int) -> dict:
+    """Qwen3-VL's learned position grid, (image_size / patch_size)^2 as llama.cpp writes it, and its
+    DeepStack blocks (``clip.vision.is_deepstack_layers``, one flag per block)."""
+    vision = Keys.ClipVision
+    side = keys.int(vision.IMAGE_SIZE) // keys.int(vision.PATCH_SIZE)
+    flags = keys.bool_list(vision.IS_DEEPSTACK_LAYERS, default=[])
+    if len(flags) > n_tensors:
+        raise ValueError(f"key {vision.IS_DEEPSTACK_LAYERS} has {len(flags)} flags, more than the file's tensors")
+    return {"num_position_embeddings": side * side,
+            "deepstack_visual_indexes": tuple(index for index, flag in enumerate(flags) if flag)}
 
 
 def _preprocessing_and_source(keys: KeyReader, preprocessor: dict) -> dict:

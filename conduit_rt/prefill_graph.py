@@ -118,8 +118,9 @@ class PrefillGraphs:
 
     @staticmethod
     def supports(model) -> bool:
-        """Whether the model's decoder is the Llama one whose layers split around the attention."""
-        return isinstance(getattr(model, "language_model", None), LlamaDecoder)
+        """Whether the model's decoder is the Llama one whose layers split around the attention, with
+        no DeepStack features to add between them."""
+        return isinstance(getattr(model, "language_model", None), LlamaDecoder) and not model.config.deepstack_layers
 
     def forward(self, seq, embeds: torch.Tensor, batch: ForwardBatch,
                 capture: LayerCapture | None = None) -> torch.Tensor:

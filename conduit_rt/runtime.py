@@ -208,7 +208,7 @@ class Runtime:
             logger.warning("cache_dir %s is not used: image_cache_bytes=0 turns the image-KV store off", cache_dir)
         elif cache_dir is not None:
             c = model.config
-            layout = EntryLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.hidden, self.dtype)
+            layout = EntryLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.embedding_width, self.dtype)
             disk = DiskImageStore(cache_dir, cache_dir_bytes, model_fingerprint(model), layout)
         image_kv = ImageKVStore(self.arena, disk, embeddings)
         # pixels of recurring image files; none when image caching is off

@@ -280,7 +280,8 @@ def hf_generate(ref: Reference, messages: list[dict], n_new: int = N_NEW) -> tup
             **inputs, max_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
     new = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    if new and new[-1] == ref.model.generation_config.eos_token_id:
+    eos = ref.model.generation_config.eos_token_id  # an id, or a list of ids (Qwen3-VL's hub configs)
+    if new and new[-1] in (eos if isinstance(eos, list) else [eos]):
         new = new[:-1]
     return new, torch.stack(out.logits)[:, 0]
 

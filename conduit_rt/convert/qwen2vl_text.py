@@ -4,7 +4,9 @@ A Qwen2 decoder is a Llama with q/k/v biases (no o_proj bias) and M-RoPE: the ro
 are split in (t, h, w) sections, written as ``qwen2vl.rope.dimension_sections`` padded with zeros
 to four entries, as llama.cpp's ``Qwen2VLModel`` does. Unlike Llama, llama.cpp does not permute the
 q/k rows of Qwen2 (its M-RoPE is rotate-half already), so tensors are written as they are stored.
-The keys are llama_text's with the "qwen2vl" prefix (``GGUFWriter`` fills ``{arch}`` in).
+The keys are llama_text's with the "qwen2vl" prefix (``GGUFWriter`` fills ``{arch}`` in). Qwen3-VL's
+decoder ("qwen3vl") is written by the same functions: its config adds the q/k norm tensors and
+``qwen3vl.n_deepstack_layers``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ QWEN2VL_TEXT_DEFAULTS: dict[str, Any] = {
     "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": None,
 }
 DEFAULT_MROPE_SECTION = (16, 24, 24)
+# text architecture -> (gguf's architecture for its tensor names, the family named in errors)
+_GGUF_ARCHITECTURES = {names.QWEN2VL_ARCH: (MODEL_ARCH.QWEN2VL, "Qwen2-VL"),
+                       names.QWEN2_ARCH: (MODEL_ARCH.QWEN2, "Qwen2"),  # InternVL3's decoder
+                       names.QWEN3VL_ARCH: (MODEL_ARCH.QWEN3VL, "Qwen3-VL")}
 _SUB_CONFIGS = ("text_config", "vision_config")
 
 
@@ -63,12 +69,13 @@ def mrope_settings(hparams: dict[str, Any]) -> tuple[float, tuple[int, ...]]:
 
 def qwen2vl_text_config(
     hparams: dict[str, Any], tokenizer: TokenizerMeta, *, image_token_id: int, source_id: str,
-    source_config: dict[str, Any],
+    source_config: dict[str, Any], architecture: str = names.QWEN2VL_ARCH, num_deepstack_layers: int = 0,
 ) -> TextModelConfig:
-    """The conduit-rt text config (validated at construction) of a Qwen2-VL decoder."""
+    """The conduit-rt text config (validated at construction) of a Qwen2-VL decoder (``architecture``
+    "qwen3vl": Qwen3-VL's, with ``num_deepstack_layers``)."""
     theta, sections = mrope_settings(hparams)
     return TextModelConfig(
-        architecture=names.QWEN2VL_ARCH, vocab_size=len(tokenizer.tokens), hidden_size=hparams["hidden_size"],
+        architecture=architecture, vocab_size=len(tokenizer.tokens), hidden_size=hparams["hidden_size"],
         intermediate_size=hparams["intermediate_size"], num_hidden_layers=hparams["num_hidden_layers"],
         num_attention_heads=hparams["num_attention_heads"], num_key_value_heads=hparams["num_key_value_heads"],
         head_dim=hparams["head_dim"], rms_norm_eps=float(hparams["rms_norm_eps"]), rope_theta=theta,
@@ -78,7 +85,7 @@ def qwen2vl_text_config(
         unk_token_id=tokenizer.special_ids["unk"], image_token_id=image_token_id, add_bos_token=tokenizer.add_bos,
         add_eos_token=tokenizer.add_eos, tokens=tuple(tokenizer.tokens), chat_template=tokenizer.chat_template,
         tokenizer_json=tokenizer.tokenizer_json, source_id=source_id, source_config=source_config,
-        rope_sections=sections,
+        rope_sections=sections, num_deepstack_layers=num_deepstack_layers,
     )
 
 
@@ -90,10 +97,11 @@ def plan_text_tensors(
     ``stored_names`` maps ``Qwen2ForCausalLM``-style names (``model.layers.0.self_attn.q_proj.bias``,
     ``lm_head.weight``) to the names stored in the checkpoint.
     """
-    name_map = gguf.get_tensor_name_map(MODEL_ARCH.QWEN2VL, config.num_hidden_layers)
+    arch, family = _GGUF_ARCHITECTURES[config.architecture]
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     expected = config.tensor_shapes()
     tied = config.tie_word_embeddings
-    found = named_tensors(source.root, stored_names, name_map, expected, "Qwen2-VL",
+    found = named_tensors(source.root, stored_names, name_map, expected, family,
                           lambda hf_name: hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"))
     return plan_tensors(source.root, found, expected, "text", dtype, source.shape,
                         lambda stored, gguf_name: lambda: source.tensor(stored))
@@ -106,9 +114,11 @@ def write_text_model(
     def add_keys(writer: GGUFWriter) -> None:
         add_text_keys(writer, config, tokenizer, dtype, model_name)
         writer.add_rope_dimension_sections([*config.rope_sections, 0])  # llama.cpp reads four entries
+        if config.architecture == names.QWEN3VL_ARCH:
+            writer.add_num_deepstack_layers(config.num_deepstack_layers)
         writer.add_string(names.ConduitKeys.SOURCE_CONFIG, source_config_text)
 
-    return write_gguf(path, names.QWEN2VL_ARCH, add_keys, tensors, progress=progress)
+    return write_gguf(path, config.architecture, add_keys, tensors, progress=progress)
 
 
 __all__ = ["mrope_settings", "plan_text_tensors", "qwen2vl_text_config", "qwen2vl_text_hparams", "write_text_model"]

@@ -137,6 +137,11 @@ def add_mmproj_keys(writer: GGUFWriter, config: QwenVisionConfig, dtype: OutputD
             writer.add_vision_n_wa_pattern(pattern)
         if config.fullatt_block_indexes:
             writer.add_array(names.ConduitKeys.FULLATT_BLOCKS, list(config.fullatt_block_indexes))
+    add_conduit_vision_keys(writer, config)
+
+
+def add_conduit_vision_keys(writer: GGUFWriter, config: QwenVisionConfig) -> None:
+    """The ``conduit.*`` keys of every Qwen tower: activation, RoPE base, processor JSONs, source."""
     keys = names.ConduitKeys
     writer.add_string(keys.VISION_HIDDEN_ACT, config.hidden_act)
     writer.add_float32(keys.VISION_ROPE_THETA, config.rope_theta)
@@ -159,4 +164,4 @@ def write_mmproj(path: Path, config: QwenVisionConfig, tensors: list[PlannedTens
     return clip_vision.write_mmproj(path, config, tensors, mmproj_keys=add_mmproj_keys, **options)
 
 
-__all__ = ["add_mmproj_keys", "plan_vision_tensors", "qwen_vision_config", "write_mmproj"]
+__all__ = ["add_conduit_vision_keys", "add_mmproj_keys", "plan_vision_tensors", "qwen_vision_config", "write_mmproj"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import UnsupportedArchitectureError
-from . import internvl, llava, qwen2vl
+from . import internvl, llava, qwen2vl, qwen3vl
 from .gguf_output import ConvertedFiles, OutputDtype
 from .source import SourceCheckpoint
 
@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, ArchitectureConverter] = {
     llava.HF_ARCHITECTURE: llava,
     **dict.fromkeys(qwen2vl.HF_ARCHITECTURES, qwen2vl),  # one module converts both Qwen generations
     internvl.HF_ARCHITECTURE: internvl,
+    qwen3vl.HF_ARCHITECTURE: qwen3vl,
 }
 
 

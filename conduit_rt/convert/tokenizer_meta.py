@@ -14,6 +14,7 @@ from typing import Any
 
 from gguf import GGUFWriter, Keys, TokenType
 
+from .. import gguf_names as names
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 from .source import SourceCheckpoint
 
@@ -36,6 +37,7 @@ class TokenizerMeta:
     add_eos: bool
     chat_template: str | None
     tokenizer_json: str  # tokenizer.json verbatim
+    eos_ids: tuple[int, ...] = ()  # generation_config.json's end-of-sequence ids (one or several)
 
 
 def read_tokenizer(source: SourceCheckpoint, vocab_size: int, config_ids: dict[str, int | None]) -> TokenizerMeta:
@@ -65,7 +67,19 @@ def read_tokenizer(source: SourceCheckpoint, vocab_size: int, config_ids: dict[s
         add_eos=bool(tokenizer_config.get("add_eos_token", False)),
         chat_template=find_chat_template(source, tokenizer_config),
         tokenizer_json=tokenizer_json,
+        eos_ids=generation_eos_ids(source, len(pieces)),
     )
+
+
+def generation_eos_ids(source: SourceCheckpoint, vocab_size: int) -> tuple[int, ...]:
+    """generation_config.json's ``eos_token_id`` (an id or a list of ids, as the hub's Qwen repos
+    hold: ``<|im_end|>`` and ``<|endoftext|>``); () without the file or the entry."""
+    value = (source.json_file("generation_config.json") or {}).get("eos_token_id")
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else []
+    if value is not None and not (ids and all(type(i) is int and 0 <= i < vocab_size for i in ids)):
+        raise ModelFormatError(f"{source.root}/generation_config.json: eos_token_id {value!r} must be token ids "
+                               f"below the vocabulary size {vocab_size}")
+    return tuple(dict.fromkeys(ids))
 
 
 def add_tokenizer_keys(writer: GGUFWriter, meta: TokenizerMeta) -> None:
@@ -82,6 +96,8 @@ def add_tokenizer_keys(writer: GGUFWriter, meta: TokenizerMeta) -> None:
     writer.add_add_bos_token(meta.add_bos)
     writer.add_add_eos_token(meta.add_eos)
     writer.add_string(Keys.Tokenizer.HF_JSON, meta.tokenizer_json)
+    if meta.eos_ids:
+        writer.add_array(names.ConduitKeys.EOS_TOKEN_IDS, list(meta.eos_ids))
     if meta.chat_template is not None:
         writer.add_chat_template(meta.chat_template)
 

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "conduit_rt.models.llava",
     "qwen2vl": "conduit_rt.models.qwen2vl",  # Qwen2-VL and Qwen2.5-VL (the mmproj's projector tells them apart)
     "qwen2": "conduit_rt.models.internvl",  # InternVL3's Qwen2 decoder (a text-only Qwen2 without an mmproj)
+    "qwen3vl": "conduit_rt.models.qwen3vl",
 }
 
 

@@ -173,7 +173,7 @@ def build_assets(
         tokens_per_image=tokens_per_image,
         preprocess=preprocess,
         vision_model_id=vision_id,
-        eos_token_ids=frozenset({text.eos_token_id}),
+        eos_token_ids=frozenset({text.eos_token_id, *text.eos_token_ids}),
         bos_token_id=text.bos_token_id,
     )
 

@@ -118,7 +118,9 @@ class ModelConfig:
     ``tokens_per_image`` is the number of embeddings ``encode_images`` returns per image (and of
     image-placeholder tokens in the prompt); 0 when the model was loaded without a vision file.
     ``context_length`` is the model's ``max_position_embeddings`` (GGUF ``{arch}.context_length``):
-    a request's prompt and answer together never exceed it.
+    a request's prompt and answer together never exceed it. ``deepstack_layers`` (Qwen3-VL) is the
+    number of first decoder layers whose outputs take DeepStack features: an input embedding then
+    carries them after its ``hidden`` values (``embedding_width``), zeros for text tokens.
     """
 
     architecture: str
@@ -138,10 +140,16 @@ class ModelConfig:
     image_size: int  # square input side of the vision tower (0 without vision)
     vision_hidden: int  # 0 without vision
     context_length: int  # most tokens a sequence may hold: the text file's context length
+    deepstack_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def embedding_width(self) -> int:
+        """Width of an input embedding: hidden, plus hidden per DeepStack layer."""
+        return self.hidden * (1 + self.deepstack_layers)
 
     @property
     def attention_scale(self) -> float:

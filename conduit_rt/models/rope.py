@@ -7,6 +7,13 @@ the same ``inv_freq`` and ``attention_scaling`` so that the two sides agree.
 Layout: rotate-half ("neox"): within a head, dims ``[0, n_freq)`` and ``[n_freq, 2 n_freq)`` form the
 rotation pairs; dims past ``2 n_freq`` (partial rotary) pass through. M-RoPE (Qwen2-VL) takes the
 angle of frequency block ``i`` (``sections`` t, h, w) from position row ``i % 3``.
+
+Interleaved M-RoPE (Qwen3-VL) gives frequency j the h row when j % 3 == 1 and j < 3 h, the w row
+when j % 3 == 2 and j < 3 w, else the t row. A dot product q.k does not change when both sides'
+head dimensions are permuted alike, so ``frequency_order`` sorts the frequencies by row (t, then h,
+then w, each ascending): with the q/k projection rows permuted at load time (``head_permutation``)
+and ``inverse_frequencies`` returning the sorted frequencies, the interleaved rotation becomes the
+sectioned one, on the same sections, and the arena's M-RoPE kernel rotates K unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     sections: tuple[int, ...] = ()
+    interleaved: bool = False  # M-RoPE sections interleaved (Qwen3-VL): see the module docstring
 
     def __post_init__(self) -> None:
         if self.scaling_type not in ROPE_SCALING_TYPES:
@@ -49,6 +57,8 @@ class RopeConfig:
             raise ValueError(f"RoPE rotary_dim {self.rotary_dim} must be positive and even")
         if self.sections and (len(self.sections) != 3 or sum(self.sections) != self.rotary_dim // 2):
             raise ValueError(f"M-RoPE sections {self.sections} must be 3 counts summing to {self.rotary_dim // 2}")
+        if self.interleaved and not self.sections:
+            raise ValueError("interleaved RoPE needs M-RoPE sections")
         if self.scaling_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("llama3 RoPE needs high_freq_factor > low_freq_factor")
 
@@ -66,7 +76,28 @@ def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
         inv_freq = inv_freq / rope.factor
     elif rope.scaling_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope)
+    if rope.interleaved:
+        inv_freq = inv_freq[frequency_order(rope)]
     return inv_freq, 1.0
+
+
+def frequency_order(rope: RopeConfig) -> torch.Tensor:
+    """long [rotary_dim // 2]: the frequencies of interleaved M-RoPE sorted by the position row that
+    turns them (t, h, w; ascending within each), so that they form ``rope.sections`` blocks."""
+    j = torch.arange(rope.rotary_dim // 2)
+    _, h, w = rope.sections
+    row = torch.zeros_like(j)
+    row[(j % 3 == 1) & (j < 3 * h)] = 1
+    row[(j % 3 == 2) & (j < 3 * w)] = 2
+    return torch.argsort(row, stable=True)
+
+
+def head_permutation(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """long [head_dim]: the order of one head's dimensions that matches ``frequency_order`` (both
+    rotation halves permuted alike, dimensions past the rotary part kept)."""
+    order = frequency_order(rope)
+    n_freq = order.numel()
+    return torch.cat([order, order + n_freq, torch.arange(2 * n_freq, head_dim)])
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
