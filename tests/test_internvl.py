@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +28,13 @@ from safetensors.torch import load_file, save_file
 from conduit_rt import Runtime
 from conduit_rt.chat import build_prompt
 from conduit_rt.convert.checkpoint import convert_checkpoint
-from conduit_rt.convert.cli import main as convert_main
 from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
 from conduit_rt.model_file import load_model_dir
 from conduit_rt.models import ForwardBatch, load_model
 from conduit_rt.preprocess_tiles import TilePreprocessParams
 from conduit_rt.refresh import POLICIES
 from conduit_rt.selection import budget_tokens
+from tests.fixtures.references import Reference, build_and_convert, load_reference
 from tests.fixtures.tiny_internvl import IMAGE_END, IMAGE_START, IMAGE_TOKEN, TOKENS_PER_TILE, build_tiny_internvl
 from tests.test_compress import record, reference_keep
 from tests.test_conduit import RecordingConduit, reference_selection
@@ -45,31 +44,16 @@ from tests.test_qwen2vl import N_NEW, assert_close_logits, interleaved
 IMAGE_SIZES = [(41, 97), (250, 250), (100, 300), (13, 300)]  # (height, width): 3, 5, 4 and 7 tiles
 
 
-@dataclass
-class Reference:
-    model: object  # InternVLForConditionalGeneration
-    tokenizer: object
-    image_processor: object
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(source folder, converted folder)."""
-    source = build_tiny_internvl(tmp_path_factory.mktemp("internvl"))
-    converted = tmp_path_factory.mktemp("internvl_gguf")
-    assert convert_main([str(source), "--outdir", str(converted), "--dtype", "f32", "--quiet"]) == 0
-    return source, converted
+    return build_and_convert(build_tiny_internvl, tmp_path_factory, "internvl")
 
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
     source, _ = checkpoint
-    model = transformers.InternVLForConditionalGeneration.from_pretrained(
-        source, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return Reference(
-        model, transformers.AutoTokenizer.from_pretrained(source), transformers.AutoImageProcessor.from_pretrained(source)
-    )
+    return load_reference(transformers.InternVLForConditionalGeneration, source)
 
 
 @pytest.fixture(scope="module")

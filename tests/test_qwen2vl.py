@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ from conduit_rt.model_file import load_model_dir
 from conduit_rt.models import ForwardBatch, load_model
 from conduit_rt.preprocess import QwenVLPreprocessParams
 from conduit_rt.convert.checkpoint import convert_checkpoint
-from conduit_rt.convert.cli import main as convert_main
+from tests.fixtures.references import Reference, build_and_convert, load_reference
 from tests.fixtures.tiny_qwen2vl import IMAGE_TOKEN, MROPE_SECTION, build_tiny_qwen2vl
 
 RTOL = 1e-4  # of max |reference logits|
@@ -39,19 +38,11 @@ N_NEW = 16
 IMAGE_SIZES = [(41, 97), (90, 130), (500, 31), (13, 300)]  # (height, width): 8, 15, 18 and 10 merged tokens
 
 
-@dataclass
-class Reference:
-    model: object  # Qwen2VLForConditionalGeneration | Qwen2_5_VLForConditionalGeneration
-    tokenizer: object
-    image_processor: object
-
-
 @pytest.fixture(scope="module", params=["2", "2.5"], ids=["qwen2vl", "qwen2.5vl"])
 def checkpoint(request, tmp_path_factory):
     """(version, source folder, converted folder)."""
-    source = build_tiny_qwen2vl(tmp_path_factory.mktemp(f"qwen{request.param}"), version=request.param)
-    converted = tmp_path_factory.mktemp(f"qwen{request.param}_gguf")
-    assert convert_main([str(source), "--outdir", str(converted), "--dtype", "f32", "--quiet"]) == 0
+    source, converted = build_and_convert(build_tiny_qwen2vl, tmp_path_factory, f"qwen{request.param}",
+                                          version=request.param)
     return request.param, source, converted
 
 
@@ -63,12 +54,7 @@ def hf(checkpoint):
         if version == "2"
         else transformers.Qwen2_5_VLForConditionalGeneration
     )
-    model = model_class.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
-    return Reference(
-        model,
-        transformers.AutoTokenizer.from_pretrained(source),
-        transformers.AutoImageProcessor.from_pretrained(source),
-    )
+    return load_reference(model_class, source)
 
 
 @pytest.fixture(scope="module")

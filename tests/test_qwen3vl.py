@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 from conduit_rt import Runtime
 from conduit_rt import compress as compression
 from conduit_rt.convert.checkpoint import convert_checkpoint
-from conduit_rt.convert.cli import main as convert_main
 from conduit_rt.errors import ModelFormatError
 from conduit_rt.model_file import check_pair, load_model_dir
 from conduit_rt.models import load_model
@@ -35,6 +34,7 @@ from conduit_rt.refresh import POLICIES
 from conduit_rt.selection import budget_tokens
 from tests.test_compress import record, reference_keep
 from tests.test_conduit import RecordingConduit, reference_selection
+from tests.fixtures.references import build_and_convert, load_reference
 from tests.fixtures.tiny_qwen3vl import DEEPSTACK_INDEXES, MROPE_SECTION, build_tiny_qwen3vl
 from tests.test_qwen2vl import (  # noqa: F401 (the tests imported run here on this module's fixtures)
     N_NEW,
@@ -55,21 +55,13 @@ from tests.test_qwen2vl import (  # noqa: F401 (the tests imported run here on t
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(source folder, converted folder)."""
-    source = build_tiny_qwen3vl(tmp_path_factory.mktemp("qwen3vl"))
-    converted = tmp_path_factory.mktemp("qwen3vl_gguf")
-    assert convert_main([str(source), "--outdir", str(converted), "--dtype", "f32", "--quiet"]) == 0
-    return source, converted
+    return build_and_convert(build_tiny_qwen3vl, tmp_path_factory, "qwen3vl")
 
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
     source, _ = checkpoint
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
-        source, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return Reference(
-        model, transformers.AutoTokenizer.from_pretrained(source), transformers.AutoImageProcessor.from_pretrained(source)
-    )
+    return load_reference(transformers.Qwen3VLForConditionalGeneration, source)
 
 
 @pytest.fixture(scope="module")
