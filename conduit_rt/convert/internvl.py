@@ -21,14 +21,14 @@ from typing import Any
 from gguf import GGUFWriter
 
 from .. import gguf_names as names
-from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from ..model_config import TextModelConfig
 from . import internvl_vision, llama_text, parts, qwen2vl_text
 from .clip_vision import image_processor_config
 from .llava import _PARTS as LLAVA_PARTS
 from .gguf_output import ConvertedFiles, OutputDtype, PlannedTensor, write_gguf
 from .source import SourceCheckpoint
-from .tokenizer_meta import TokenizerMeta, read_tokenizer
+from .tokenizer_meta import TokenizerMeta, read_model_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,7 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
     """Write ``outdir/model.gguf`` and ``outdir/mmproj.gguf`` from an InternVL3 ``-hf`` checkpoint."""
     tensors = parts.split_parts(source, _PARTS, "InternVL")
     text_hparams = parts.build_config(source, lambda: internvl_text_hparams(source.config))
-    embedding = tensors["text"].get("model.embed_tokens.weight")
-    if embedding is None:
-        raise ModelFormatError(f"{source.root}: no text embedding (language_model.model.embed_tokens.weight)")
-    config_ids = {role: text_hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
-    tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
+    tokenizer = read_model_tokenizer(source, tensors["text"], text_hparams, "language_model.model.embed_tokens.weight")
     source_id = source.fingerprint()
     image_token_id = int(source.config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
     text_config = parts.build_config(source, lambda: qwen2_text_config(

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import gguf_names as names
-from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from . import clip_vision, llama_text
 from . import parts
 from .gguf_output import ConvertedFiles, OutputDtype
 from .source import SourceCheckpoint
-from .tokenizer_meta import read_tokenizer
+from .tokenizer_meta import read_model_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,7 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
         raise UnsupportedArchitectureError(f"{source.root}: a LLaVA projector without biases is not supported")
     text_hparams = llama_text.llama_hparams(source.config.get("text_config") or {})
     tensors = split_parts(source)
-    embedding = tensors["text"].get("model.embed_tokens.weight")
-    if embedding is None:
-        raise ModelFormatError(f"{source.root}: no text embedding (language_model.model.embed_tokens.weight)")
-    config_ids = {role: text_hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
-    tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
+    tokenizer = read_model_tokenizer(source, tensors["text"], text_hparams, "language_model.model.embed_tokens.weight")
     source_id = source.fingerprint()
     text_config = parts.build_config(source, lambda: llama_text.llama_text_config(
         text_hparams, tokenizer, image_token_id=_image_token_id(hparams), source_id=source_id, source_config=source.config,

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import gguf_names as names
-from ..errors import ModelFormatError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from . import qwen2vl_text, qwen2vl_vision
 from .clip_vision import image_processor_config
 from . import parts
 from .gguf_output import ConvertedFiles, OutputDtype
 from .source import SourceCheckpoint
-from .tokenizer_meta import read_tokenizer
+from .tokenizer_meta import read_model_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,7 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
     is_qwen25 = _is_qwen25(source)
     tensors = split_parts(source)
     text_hparams = parts.build_config(source, lambda: qwen2vl_text.qwen2vl_text_hparams(source.config))
-    embedding = tensors["text"].get("model.embed_tokens.weight")
-    if embedding is None:
-        raise ModelFormatError(f"{source.root}: no text embedding (model.embed_tokens.weight)")
-    config_ids = {role: text_hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
-    tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
+    tokenizer = read_model_tokenizer(source, tensors["text"], text_hparams, "model.embed_tokens.weight")
     source_id = source.fingerprint()
     image_token_id = int(source.config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
     text_config = parts.build_config(source, lambda: qwen2vl_text.qwen2vl_text_config(

@@ -28,7 +28,7 @@ from .clip_vision import add_vision_tower_keys, image_processor_config
 from .gguf_output import ConvertedFiles, OutputDtype, PlannedTensor, storage_type
 from .qwen2vl_vision import add_conduit_vision_keys
 from .source import SourceCheckpoint
-from .tokenizer_meta import read_tokenizer
+from .tokenizer_meta import read_model_tokenizer
 
 HF_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 DESCRIPTION = ("Qwen3-VL: ViT with learned + 2-D RoPE positions and DeepStack mergers, 2x2 merger, "
@@ -60,11 +60,7 @@ def convert(source: SourceCheckpoint, outdir: Path, dtype: OutputDtype, *, progr
     """Write ``outdir/model.gguf`` and ``outdir/mmproj.gguf`` from a Qwen3-VL checkpoint."""
     tensors = parts.split_parts(source, _PARTS, "Qwen3-VL")
     hparams = parts.build_config(source, lambda: text_hparams(source.config))
-    embedding = tensors["text"].get("model.embed_tokens.weight")
-    if embedding is None:
-        raise ModelFormatError(f"{source.root}: no text embedding (model.language_model.embed_tokens.weight)")
-    config_ids = {role: hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
-    tokenizer = read_tokenizer(source, source.shape(embedding)[0], config_ids)
+    tokenizer = read_model_tokenizer(source, tensors["text"], hparams, "model.language_model.embed_tokens.weight")
     source_id = source.fingerprint()
     vision_hf = VISION_DEFAULTS | {k: v for k, v in (source.config.get("vision_config") or {}).items() if v is not None}
     text_config = parts.build_config(source, lambda: qwen2vl_text.qwen2vl_text_config(

@@ -40,6 +40,18 @@ class TokenizerMeta:
     eos_ids: tuple[int, ...] = ()  # generation_config.json's end-of-sequence ids (one or several)
 
 
+def read_model_tokenizer(source: SourceCheckpoint, text_tensors: dict[str, str], text_hparams: dict[str, Any],
+                         embedding_name: str) -> TokenizerMeta:
+    """``read_tokenizer`` sized by the text embedding's rows, with the text config's bos/eos/pad ids as
+    the fallback. ``text_tensors`` maps Hugging Face text names to stored ones; ``embedding_name``
+    is the stored name a missing embedding is reported as (ModelFormatError)."""
+    embedding = text_tensors.get("model.embed_tokens.weight")
+    if embedding is None:
+        raise ModelFormatError(f"{source.root}: no text embedding ({embedding_name})")
+    config_ids = {role: text_hparams.get(f"{role}_token_id") for role in ("bos", "eos", "pad")}
+    return read_tokenizer(source, source.shape(embedding)[0], config_ids)
+
+
 def read_tokenizer(source: SourceCheckpoint, vocab_size: int, config_ids: dict[str, int | None]) -> TokenizerMeta:
     """Read tokenizer.json, tokenizer_config.json and the chat template of ``source``.
 
