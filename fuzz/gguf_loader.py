@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import zlib
 
-import common  # noqa: F401  (puts the repository on sys.path)
+import common  # puts the repository on sys.path
 import gguf  # noqa: F401
 import jinja2  # noqa: F401
 import numpy  # noqa: F401
@@ -35,13 +35,12 @@ import tokenizers  # noqa: F401
 import torch
 from gguf_mutator import mutate
 
-import atheris
+from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
+from conduit_rt.gguf_parser import read_string_keys
+from conduit_rt.model_file import load_mmproj_file, load_text_model_file
+from conduit_rt.models import load_model, text_architecture
 
-with atheris.instrument_imports(include=["conduit_rt"]):
-    from conduit_rt.errors import ModelFormatError, UnsupportedArchitectureError
-    from conduit_rt.gguf_parser import read_string_keys
-    from conduit_rt.model_file import load_mmproj_file, load_text_model_file
-    from conduit_rt.models import load_model, text_architecture
+common.instrument_packages("conduit_rt")
 
 REFERENCE = common.CORPUS / "gguf"
 TEXT = {"llava": REFERENCE / "llava-model.gguf", "qwen": REFERENCE / "qwen25-model.gguf"}

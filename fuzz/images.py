@@ -25,16 +25,15 @@ import common
 import numpy as np
 import torch
 
-import atheris
+from PIL import Image
 
-with atheris.instrument_imports(include=["conduit_rt", "PIL"]):
-    from PIL import Image
+Image.init()  # every format plugin, imported (and instrumented below) now
+from conduit_rt import preprocess  # noqa: E402
+from conduit_rt.errors import RequestError  # noqa: E402
+from conduit_rt.models import load_model  # noqa: E402
+from conduit_rt.preprocess import image_key, to_rgb_array  # noqa: E402
 
-    Image.init()  # every format plugin, imported (and instrumented) now
-    from conduit_rt.errors import RequestError
-    from conduit_rt.models import load_model
-    from conduit_rt import preprocess
-    from conduit_rt.preprocess import image_key, to_rgb_array
+common.instrument_packages("conduit_rt", "PIL")
 
 REFERENCE = common.CORPUS / "gguf"
 # The pixel limits (ours and PIL's bomb guard) at 1 Mpixel: the guards' logic is the same at any

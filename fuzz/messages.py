@@ -18,18 +18,19 @@ from __future__ import annotations
 import json
 import sys
 
-import common  # noqa: F401  (puts the repository on sys.path)
+import common  # puts the repository on sys.path
 import jinja2  # noqa: F401
 import tokenizers  # noqa: F401
 from PIL import Image
 
 import atheris
 
-with atheris.instrument_imports(include=["conduit_rt"]):
-    from conduit_rt import BUNDLED_MODEL
-    from conduit_rt.chat import ChatTemplate, ImageSlot, TextRun, build_prompt
-    from conduit_rt.errors import RequestError
-    from conduit_rt.tokenizer import TextTokenizer
+from conduit_rt import BUNDLED_MODEL
+from conduit_rt.chat import ChatTemplate, ImageSlot, TextRun, build_prompt
+from conduit_rt.errors import RequestError
+from conduit_rt.tokenizer import TextTokenizer
+
+common.instrument_packages("conduit_rt")
 
 TOKENIZER, TEMPLATE_SOURCE = TextTokenizer.from_hf_folder(BUNDLED_MODEL)
 TEMPLATE = ChatTemplate(TEMPLATE_SOURCE)
