@@ -13,8 +13,10 @@ a hit touches the file's mtime, and a sweep deletes the least recently touched f
 folder's ``*.safetensors`` files (every model's) fit ``max_bytes``.
 
 Writes run on one background thread per store, off the request's path: ``save`` takes the
-tensors as the request left them (on the model's device) and queues them, up to
-``MAX_PENDING_BYTES``; past that a save is dropped (caching is an optimisation). ``close`` (a
+tensors as the request left them (on the model's device) and queues them. The queue holds
+``MAX_PENDING_BYTES``, or ``MIN_PENDING_ENTRIES`` entries when entries are larger than an eighth of
+that (a 7B-class model's image is about 300 MB: a request with several new images must not lose all
+but the first); past that a save is dropped (caching is an optimisation). ``close`` (a
 Runtime's close, or interpreter exit) writes what is queued and stops the thread.
 """
 from __future__ import annotations
@@ -41,8 +43,10 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 LOCK_NAME = ".conduit-image-kv.lock"
 DEFAULT_CACHE_DIR_BYTES = 4 << 30
-# Device memory the queued writes may hold before a save is dropped.
+# Device memory the queued writes may hold before a save is dropped, unless it is less than
+# MIN_PENDING_ENTRIES entries of the size being saved (the images of one request).
 MAX_PENDING_BYTES = 512 << 20
+MIN_PENDING_ENTRIES = 8
 # A temporary file this old belongs to a writer that died: a sweep deletes it.
 STALE_TEMP_S = 3600.0
 
@@ -171,7 +175,7 @@ class DiskImageStore:
             ready.record(torch.cuda.current_stream(tensors["k"].device))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._lock:
-            if self._pending_bytes + nbytes > MAX_PENDING_BYTES or self._closed:
+            if self._pending_bytes + nbytes > pending_limit(nbytes) or self._closed:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queue.append(_Save(key, tensors, ready, nbytes))
@@ -291,6 +295,11 @@ class DiskImageStore:
                 path.unlink()
         except FileNotFoundError:
             pass
+
+
+def pending_limit(nbytes: int) -> int:
+    """Bytes the write queue may hold when an entry of ``nbytes`` is saved."""
+    return max(MAX_PENDING_BYTES, MIN_PENDING_ENTRIES * nbytes)
 
 
 def _on_host(tensors: dict[str, torch.Tensor], ready) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,6 +283,7 @@ def test_an_entry_larger_than_the_budget_is_not_written(pristine, tmp_path):
 
 WORKER = """
 import sys
+import threading
 from tests.test_disk_cache import messages, new_runtime, picture
 from pathlib import Path
 
@@ -405,3 +407,29 @@ def test_an_unwritable_cache_dir_is_refused(tmp_path):
     directory.mkdir(mode=0o500)
     with pytest.raises(InvalidArgumentError, match="cannot be created or written"):
         Runtime(conduit_rt.BUNDLED_MODEL, device="cpu", cache_dir=directory)
+
+
+def test_the_write_queue_holds_a_requests_worth_of_entries_larger_than_its_byte_bound(tmp_path, monkeypatch):
+    """Entries larger than the queue's byte bound (a 7B-class image is ~300 MB) still queue eight at
+    a time; the ninth, saved while the writer is stuck on the first, is dropped."""
+    from conduit_rt import disk_cache
+
+    layout = EntryLayout(n_layers=2, n_kv_heads=2, head_dim=4, hidden=8, dtype=torch.float32)
+    store = DiskImageStore(tmp_path / "cache", 1 << 30, "model-under-test", layout)
+    entry_bytes = (2 * 2 * 3 * 2 * 4 + 2 * 3 + 3 * 8) * 4  # K and V, value norms, embedding of 3 tokens
+    monkeypatch.setattr(disk_cache, "MAX_PENDING_BYTES", entry_bytes)  # one entry, by bytes alone
+    release, write = threading.Event(), store._write
+    monkeypatch.setattr(store, "_write", lambda job: (release.wait(10), write(job)))
+    generator = torch.Generator().manual_seed(3)
+    entries = {bytes([i]) * 32: [torch.randn(2, 3, 2, 4, generator=generator) for _ in range(2)]
+               + [torch.rand(2, 3, generator=generator), torch.randn(3, 8, generator=generator)] for i in range(9)}
+    queued = [store.save(key, list(k), list(v), norms, embedding) for key, (k, v, norms, embedding) in entries.items()]
+    release.set()
+    store.flush()
+    assert queued == [True] * disk_cache.MIN_PENDING_ENTRIES + [False]
+    assert (store.stats().writes, store.stats().dropped_writes) == (8, 1)
+    for key, (k, v, norms, embedding) in list(entries.items())[:8]:
+        loaded = store.load(key, n_tokens=3)
+        assert torch.equal(loaded.k, k) and torch.equal(loaded.v, v) and torch.equal(loaded.embedding, embedding)
+        assert torch.equal(loaded.value_norms, norms)
+    store.close()
