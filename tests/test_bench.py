@@ -1,7 +1,9 @@
 """The benchmark suite's smoke run: ``conduit bench --quick --device cpu`` runs every section on tiny
 shapes and writes a report holding every field. Nothing here is timed as a pass criterion: CPU
 numbers are noise. What is checked by value: the kernels' outputs against a float32 torch
-reference, and the random-weight model's logits against transformers running the same tensors.
+reference, and each random-weight model's logits (LLaVA, Qwen3-VL, InternVL3) against transformers
+running the same tensors. The full-size family shapes are checked on the meta device against
+transformers' configs and models (no weights drawn).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 import pytest
 
 from conduit_rt import reuse
+from conduit_rt.bench import family_models, synthetic
 from conduit_rt.bench import report as bench_report
 from conduit_rt.bench import serve
 from conduit_rt.bench.breakdown import PHASES, PhaseClock
@@ -18,10 +21,13 @@ from conduit_rt.bench.config import make_config
 from conduit_rt.bench.targets import ROW_FIELDS, ROW_KEYS, at_least, at_most
 from conduit_rt.bench.timing import Timer
 from conduit_rt.cli import main
+from conduit_rt.models.random_init import meta_model
+from conduit_rt.preprocess import to_rgb_array
 
 KERNEL_RUNS = ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill", "scoring", "topk")
 MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill", "decode",
                "transformers_generate", "long_full", "long_vlcache")
+FAMILY_MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,82 @@ def test_end_to_end_runs_are_all_reported(report):
     assert long["full"]["prompt_tokens"] == report[2]["config"]["e2e"]["long_context"]
     for run in MEMORY_RUNS:
         assert set(memory[run]) >= {"torch_peak_bytes", "arena_bytes", "total_bytes"}
+
+
+def test_family_rows_match_transformers(report):
+    """Each family's rows exist with real numbers, and its decoder's logits are transformers' (the
+    Qwen3-VL twin with our M-RoPE positions, DeepStack features and q/k in transformers' order)."""
+    data = report[2]
+    sizes, families, memory = data["config"]["families"], data["families"], data["memory"]
+    rows = {row["key"]: row for row in data["targets"]}
+    assert list(families) == sizes["shapes"] == ["qwen3-vl-tiny", "internvl3-tiny"]
+    assert [raw["model"]["family"] for raw in families.values()] == ["qwen3vl", "internvl3"]
+    for name, raw in families.items():
+        family = raw["model"]["family"]
+        for key in (f"{family}.ttft.vs_full_prefill", f"{family}.prefill.vs_transformers"):
+            row = rows[key]
+            assert row["name"].startswith(f"{name}: ")
+            assert row["measured"] > 0 and row["reference"] > 0 and row["ratio"] > 0, key
+        assert raw["transformers_prefill"]["logits_rel_err_vs_ours"] < 1e-4  # float32 on the CPU
+        reuse_runs = raw["reuse"]
+        warm = reuse_runs["warm_conduit"]
+        assert warm["image_hits"] == sizes["n_images"]
+        assert warm["visual_tokens"] == sizes["n_images"] * 16  # 64-px images: 16 tokens each in both families
+        assert 0 < warm["refreshed_tokens"] < warm["visual_tokens"]
+        assert reuse_runs["warm_full"]["prompt_tokens"] == warm["prompt_tokens"]
+        assert raw["transformers_prefill"]["tokens"] == warm["prompt_tokens"]
+        assert reuse_runs["breakdown_full"]["prefill"] > 0 and reuse_runs["breakdown_full"]["recompute"] == 0
+        for run in FAMILY_MEMORY_RUNS:
+            assert f"{name}/{run}" in memory
+
+
+def _visible(config) -> dict:
+    """A transformers config's own fields, without the bookkeeping ones."""
+    return {key: value for key, value in config.to_dict().items()
+            if key not in ("transformers_version", "architectures", "dtype", "_name_or_path")}
+
+
+def test_full_family_shapes_are_transformers_models():
+    """The 8B shapes (on the meta device: no weights) have the vision towers transformers' configs
+    default to (Qwen3-VL's, InternViT-300M-448px), exactly the parameters of the transformers models of
+    the hub configs, and the token counts the benchmark states for its images."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    qwen_vision = _visible(transformers.Qwen3VLConfig().vision_config)
+    hub_configs = {
+        "qwen3-vl-8b": transformers.Qwen3VLConfig(
+            text_config={"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                             "mrope_interleaved": True}},
+            vision_config=qwen_vision | {"out_hidden_size": 4096}, tie_word_embeddings=False),
+        "internvl3-8b": transformers.InternVLConfig(
+            text_config={"model_type": "qwen2", "vocab_size": 151674, "hidden_size": 3584, "intermediate_size": 18944,
+                         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                         "tie_word_embeddings": False},
+            vision_config={"attention_bias": True}, tie_word_embeddings=False),
+    }
+    qwen, intern = family_models.SHAPES["qwen3-vl-8b"], family_models.SHAPES["internvl3-8b"]
+    v = qwen.vision
+    assert (v.n_layers, v.hidden, v.intermediate, v.n_heads, v.patch_size, qwen.merge_size,
+            qwen.num_position_embeddings, list(qwen.deepstack_indexes)) == tuple(
+        qwen_vision[k] for k in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
+                                 "spatial_merge_size", "num_position_embeddings", "deepstack_visual_indexes"))
+    intern_vision = _visible(transformers.InternVLConfig().vision_config)
+    v = intern.vision
+    assert (v.n_layers, v.hidden, v.intermediate, v.n_heads, [v.patch_size] * 2, [intern.tile] * 2) == tuple(
+        intern_vision[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                   "patch_size", "image_size"))
+    tokens_per_image = {"qwen3-vl-8b": 1024, "internvl3-8b": 256}
+    for name, hub in hub_configs.items():
+        shape = family_models.SHAPES[name]
+        ours = meta_model(*shape.configs(name))
+        with torch.device("meta"):
+            theirs = transformers.AutoModelForImageTextToText.from_config(hub)
+        assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters()), name
+        image = synthetic.random_images(1, shape.vision.image_side, seed=0)[0]
+        assert ours.prepare_image(to_rgb_array(image)).n_tokens == tokens_per_image[name]
 
 
 @pytest.fixture(scope="module")

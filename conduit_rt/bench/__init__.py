@@ -2,8 +2,9 @@
 
 Ceilings measured once per run (``ceilings``), kernel benchmarks over the native arena against torch
 SDPA (``kernels``, ``scoring``), end-to-end runs of the Runtime on a LLaVA-1.5-7B-shaped model with
-random weights against Hugging Face transformers (``e2e``, ``decode``), the server's scheduler under
-concurrent clients on the same model (``serve``), and the report: JSON, a
+random weights against Hugging Face transformers (``e2e``, ``decode``), the same reuse and prefill
+runs on Qwen3-VL-8B- and InternVL3-8B-shaped models (``families``, ``family_models``, ``twins``), the
+server's scheduler under concurrent clients on the LLaVA model (``serve``), and the report: JSON, a
 markdown page and PNG plots (``report``, ``plots``). ``targets.ROW_KEYS`` lists every target row.
 """
 

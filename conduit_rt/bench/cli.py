@@ -1,7 +1,8 @@
 """``conduit bench`` / ``python3 -m conduit_rt.bench``: measure, compare, write the report.
 
-Order: ceilings (copy bandwidth, matmul rate), kernels, scoring and top-k, end to end, the server's
-scheduler under concurrent clients (serve). A section
+Order: ceilings (copy bandwidth, matmul rate), kernels, scoring and top-k, end to end (LLaVA), the
+other families end to end (families: Qwen3-VL and InternVL3 shapes, one model at a time), the
+server's scheduler under concurrent clients (serve). A section
 that raises is recorded in the JSON (``errors``) and its rows are reported as not measured; the
 other sections still run. The exit status is 0 whether targets pass or not (this is a measurement,
 not a test); it is 2 when a section could not run, and 1 when the run cannot start (no such device,
@@ -25,14 +26,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..cli import DEVICE_HELP, reports_errors
 from ..extras import pyplot, require
-from . import ceilings, e2e, kernels, report, scoring, synthetic
+from . import ceilings, e2e, families, kernels, report, scoring, synthetic
 from .config import BenchConfig, make_config
 from .targets import Target, with_missing
 from .timing import Timer
 
 logger = logging.getLogger("conduit_rt.bench")
 
-SECTIONS = ("kernels", "scoring", "e2e", "serve")  # after the ceilings, which always run
+SECTIONS = ("kernels", "scoring", "e2e", "families", "serve")  # after the ceilings, which always run
 # what a missing serve extra says (checked before the run starts)
 SERVE_EXTRA = {"extra": "serve", "command": "conduit bench", "purpose": "for its serve section",
                "otherwise": "leave that section out with --skip serve"}
@@ -96,7 +97,8 @@ def run(config: BenchConfig, skip: list[str], command: str, progress: bool = Fal
     torch.manual_seed(0)
     timer = Timer(config.device, config.warmup, config.repeat)
     result: dict = {"command": command, "environment": environment(config), "config": config.as_dict(),
-                    "kernels": {}, "e2e": {}, "serve": {}, "memory": {}, "errors": {}, "skipped": list(skip)}
+                    "kernels": {}, "e2e": {}, "families": {}, "serve": {}, "memory": {}, "errors": {},
+                    "skipped": list(skip)}
     errors, rows = result["errors"], []
     sections = [name for name in SECTIONS if name not in skip]
     with tqdm(total=1 + len(sections), desc="bench", unit="section", disable=not progress) as bar:
@@ -108,6 +110,7 @@ def run(config: BenchConfig, skip: list[str], command: str, progress: bool = Fal
         measure = {"kernels": lambda: kernels.run(timer, config.kernels, config.dtype, copy_bw),
                    "scoring": lambda: scoring.run(timer, config.kernels, config.dtype),
                    "e2e": lambda: e2e.run(config.e2e, timer, config.dtype, copy_bw, n_keys),
+                   "families": lambda: families.run(config.families, timer, config.dtype),
                    "serve": lambda: _serve(config, timer, copy_bw)}
         for name in sections:
             bar.set_postfix_str(name)
@@ -115,8 +118,9 @@ def run(config: BenchConfig, skip: list[str], command: str, progress: bool = Fal
             bar.update()
             if not found:
                 continue
-            if name == "e2e":  # (raw numbers, rows, peak memory per run, stage errors)
-                result["e2e"], section_rows, result["memory"], section_errors = found
+            if name in ("e2e", "families"):  # (raw numbers, rows, peak memory per run, stage errors)
+                result[name], section_rows, memory, section_errors = found
+                result["memory"].update(memory)
             elif name == "serve":  # (raw numbers, rows, stage errors)
                 result["serve"], section_rows, section_errors = found
             else:  # (numbers by kernel, rows, errors)
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)  # progress of this long run
     device = resolve_device(args.device)
     pyplot(**report.PLOTTING)  # the extras, before the run rather than after it
-    if "e2e" not in args.skip:
+    if "e2e" not in args.skip or "families" not in args.skip:
         require("transformers", **synthetic.TWIN)
     if "serve" not in args.skip:
         require("prometheus_client", **SERVE_EXTRA)

@@ -53,6 +53,22 @@ class E2ESizes:
 
 
 @dataclass(frozen=True, slots=True)
+class FamilySizes:
+    """The families section: the reuse runs and the transformers prefill of the end-to-end section
+    on each of ``shapes`` (``family_models.SHAPES``: their images' sides and token counts are the
+    shapes'), one model at a time."""
+
+    shapes: tuple[str, ...] = ("qwen3-vl-8b", "internvl3-8b")
+    n_images: int = 8
+    prefix_words: int = 16          # as the end-to-end section's requests
+    question_words: int = 80
+    refresh: float = 0.1
+    repeats: int = 5
+    kv_cache_bytes: int = 16 << 30  # Qwen3-VL-8B: 144 KiB a token, ~8.3K tokens a request
+    image_cache_bytes: int = 6 << 30  # its embedding cache (1/16 of it) holds the 8 images' 256 MiB
+
+
+@dataclass(frozen=True, slots=True)
 class ServeSizes:
     """The serve section: the server's scheduler (``serve.engine.Engine``) on the end-to-end model,
     with ``n_images`` images per request (the end-to-end section's text lengths)."""
@@ -74,6 +90,7 @@ class BenchConfig:
     dtype: torch.dtype
     kernels: KernelSizes
     e2e: E2ESizes
+    families: FamilySizes = FamilySizes()
     serve: ServeSizes = ServeSizes()
     warmup: int = 3
     repeat: int = 20
@@ -85,7 +102,7 @@ class BenchConfig:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "quick": self.quick,
                 "warmup": self.warmup, "repeat": self.repeat, "ceiling_copy_bytes": self.ceiling_copy_bytes,
                 "ceiling_matmul_n": self.ceiling_matmul_n, "kernels": dataclasses.asdict(self.kernels),
-                "e2e": dataclasses.asdict(self.e2e),
+                "e2e": dataclasses.asdict(self.e2e), "families": dataclasses.asdict(self.families),
                 "serve": dataclasses.asdict(self.serve)}
 
 
@@ -96,6 +113,8 @@ QUICK_KERNELS = KernelSizes(n_heads=8, n_kv_heads=2, head_dim=64, decode_length=
 QUICK_E2E = E2ESizes(shape="tiny", n_images=3, prefix_words=4, question_words=8, decode_context=96, decode_tokens=4,
                      long_context=192, long_decode_tokens=4, repeats=1, decode_repeats=1,
                      kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
+QUICK_FAMILIES = FamilySizes(shapes=("qwen3-vl-tiny", "internvl3-tiny"), n_images=3, prefix_words=4, question_words=8,
+                             repeats=1, kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
 QUICK_SERVE = ServeSizes(clients=(1, 2, 4), scaling_clients=4, requests_per_client=2, max_tokens=4, max_batch=4,
                          kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20, restarts=1)
 
@@ -110,5 +129,5 @@ def make_config(device: str, quick: bool) -> BenchConfig:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not quick:
         return BenchConfig(dev, dtype, KernelSizes(), E2ESizes())
-    return BenchConfig(dev, dtype, QUICK_KERNELS, QUICK_E2E, QUICK_SERVE, warmup=1, repeat=3, ceiling_copy_bytes=16 << 20,
-                       ceiling_matmul_n=256, quick=True)
+    return BenchConfig(dev, dtype, QUICK_KERNELS, QUICK_E2E, QUICK_FAMILIES, QUICK_SERVE, warmup=1, repeat=3,
+                       ceiling_copy_bytes=16 << 20, ceiling_matmul_n=256, quick=True)

@@ -50,8 +50,8 @@ def prompt_tokens(e2e, messages: list[dict]) -> int:
 
 def ours(e2e) -> dict:
     s = e2e.s
-    messages = synthetic.text_request(s.decode_context - prompt_tokens(e2e, synthetic.text_request(0, e2e.vocab, 5)),
-                                      e2e.vocab, 5)
+    messages = synthetic.text_request(s.decode_context - prompt_tokens(e2e, synthetic.text_request(0, e2e.fillers, 5)),
+                                      e2e.fillers, 5)
     rates = []
     with GraphReplays() as replays:
         for _ in range(s.decode_repeats):
@@ -87,7 +87,7 @@ def vlcache(e2e) -> dict:
     s = e2e.s
 
     def long_request(document_words: int) -> list[dict]:
-        return synthetic.image_request(e2e.images, s.prefix_words, s.question_words, e2e.vocab, 6, document_words)
+        return synthetic.image_request(e2e.images, s.prefix_words, s.question_words, e2e.fillers, 6, document_words)
 
     messages = long_request(max(0, s.long_context - prompt_tokens(e2e, long_request(0))))
     out: dict = {"keep": s.keep}

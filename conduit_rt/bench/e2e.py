@@ -1,6 +1,8 @@
 """End-to-end benchmarks: the Runtime on a LLaVA-1.5-7B-shaped model with random weights, built
 on the device (``models.random_init``), against Hugging Face transformers running the same decoder
-tensors (``synthetic.transformers_twin``).
+tensors (``synthetic.transformers_twin``). ``EndToEnd`` also runs the families section's models
+(``families``: Qwen3-VL-8B and InternVL3-8B shapes), given as a ``workload.Workload``, and
+``ttft_row`` / ``transformers_row`` make their rows as they make LLaVA's.
 
 Requests (``synthetic``): ``first`` shows ``n_images`` random images after a system prefix, with a
 question; ``second`` shows the same images in another order under another prefix and question
@@ -13,7 +15,7 @@ random): every run generates the length asked for.
   warm          ``second`` after the images were seen: refresh "conduit" at ``refresh`` vs a full
                 prefill (refresh None); image embeddings come from the cache in both
   breakdown     the warm requests again under ``breakdown.PhaseClock``
-  transformers  ``LlamaForCausalLM`` (SDPA) prefill of the same input embeddings; greedy generate
+  transformers  ``LlamaForCausalLM`` (SDPA) prefill of the same input embeddings (``twins``); greedy generate
   decode        a text prompt of ``decode_context`` tokens, ``decode_tokens`` generated
   vlcache       a ``long_context`` prompt (document, images, question) with and without VL-Cache
 """
@@ -23,16 +25,15 @@ import logging
 
 import torch
 
-from conduit_rt.chat import build_prompt
 from conduit_rt.image_cache import DecodedImages, EmbeddingCache
 from conduit_rt.models.base import ForwardBatch
 from conduit_rt.preprocess import image_key, to_rgb_array
 from conduit_rt.reuse import CHUNK
 from conduit_rt.runtime import Runtime
 
-from . import synthetic, workload
+from . import synthetic, twins, workload
 from .breakdown import PhaseClock
-from .config import E2ESizes
+from .config import E2ESizes, FamilySizes
 from .decode import decode_runs, vlcache
 from .stages import run_stages
 from .targets import Target, at_least, at_most
@@ -42,10 +43,14 @@ logger = logging.getLogger(__name__)
 
 
 class EndToEnd:
-    def __init__(self, sizes: E2ESizes, timer: Timer, dtype: torch.dtype) -> None:
+    """The runs of one model under its Runtime: ``work`` (default: ``workload.build(sizes)``, the
+    LLaVA model) with the sizes' caches, repeats and refresh budget."""
+
+    def __init__(self, sizes: E2ESizes | FamilySizes, timer: Timer, dtype: torch.dtype,
+                 work: workload.Workload | None = None) -> None:
         self.s, self.timer, self.device = sizes, timer, timer.device
-        work = workload.build(sizes, self.device, dtype)
-        self.model, self.vocab = work.model, work.vocab
+        work = work if work is not None else workload.build(sizes, self.device, dtype)
+        self.model, self.fillers = work.model, work.fillers
         self.runtime = Runtime.from_model(work.model, kv_cache_bytes=sizes.kv_cache_bytes,
                                           image_cache_bytes=sizes.image_cache_bytes)
         self.images, self.first, self.second = work.images, work.first, work.second
@@ -93,17 +98,20 @@ class EndToEnd:
             runs.append(clock.phases(result.stats.ttft_s))
         return {phase: sorted(r[phase] for r in runs)[len(runs) // 2] for phase in runs[0]}
 
-    def embeddings(self, messages: list[dict]) -> tuple[list[int], torch.Tensor]:
-        """The prompt's ids and input embeddings [n, hidden] through the model's public calls."""
-        a, m = self.runtime.assets, self.model
-        prompt = build_prompt(messages, a.chat_template, a.tokenizer, a.image_token_id, m.config.tokens_per_image)
+    def decoder_inputs(self, messages: list[dict]) -> twins.DecoderInputs:
+        """What our decoder takes for the messages' prompt (read as the runtime reads it), through
+        the model's public calls: the token embeddings with each image's features (its vision tower)
+        at its slot, the RoPE positions and the visual tokens."""
+        m = self.model
+        request = self.runtime.requests.read(messages)
+        prompt = request.prompt
         embeds = m.embed_tokens(torch.tensor(prompt.token_ids, device=self.device))
-        images = [part["image"] for message in messages if isinstance(message["content"], list)
-                  for part in message["content"] if part["type"] == "image"]
+        visual = torch.zeros(len(prompt.token_ids), dtype=torch.bool, device=self.device)
         for slot in prompt.image_slots:
-            (features,) = m.encode_images([m.prepare_image(to_rgb_array(images[slot.image_index]))])
+            (features,) = m.encode_images([request.images[slot.image_index]])
             embeds[slot.start: slot.start + slot.n_tokens] = features
-        return prompt.token_ids, embeds
+            visual[slot.start: slot.start + slot.n_tokens] = True
+        return twins.DecoderInputs(embeds, request.rope.to(self.device, torch.long), visual)
 
     # -- the runs -------------------------------------------------------------------------------
     def reuse(self) -> dict:
@@ -119,17 +127,17 @@ class EndToEnd:
         out["breakdown_full"] = self.phases("warm_full_timed", self.second, s.repeats)
         return out
 
-    def transformers_prefill(self, twin) -> dict:
-        """The twin's prefill of ``second``'s embeddings (last-token logits only), and logits parity."""
-        _, embeds = self.embeddings(self.second)
+    def transformers_prefill(self, prefill: twins.Prefill) -> dict:
+        """A twin's prefill of ``second``'s decoder inputs (last-token logits only), and logits parity."""
+        inputs = self.decoder_inputs(self.second)
+        run = prefill(inputs)
         with torch.no_grad(), PeakMemory(self.device) as peak:
-            timing = self.timer.wall_time(lambda: twin(inputs_embeds=embeds[None], use_cache=True, logits_to_keep=1),
-                                          repeat=self.s.repeats, warmup=1)
-            reference = twin(inputs_embeds=embeds[None], use_cache=True, logits_to_keep=1).logits[0, -1].float()
+            timing = self.timer.wall_time(run, repeat=self.s.repeats, warmup=1)
+            reference = run()
         self.memory["transformers_prefill"] = peak.as_dict()
         ours = self.request("full_prefill_logits", self.second, max_tokens=1, return_logits=True).logits[0]
         rel = float((ours.to(reference.device) - reference).norm() / reference.norm())
-        return {"seconds": timing.median_s, "time": timing.as_dict(), "tokens": int(embeds.shape[0]),
+        return {"seconds": timing.median_s, "time": timing.as_dict(), "tokens": int(inputs.embeds.shape[0]),
                 "logits_rel_err_vs_ours": rel}
 
     def decoder_prefill(self, n_tokens: int) -> dict:
@@ -175,14 +183,14 @@ def run(sizes: E2ESizes, timer: Timer, dtype: torch.dtype, copy_bytes_per_s: flo
     twin = synthetic.transformers_twin(e2e.model)
     raw: dict = {"model": {"shape": sizes.shape, "weight_bytes_per_token": weight_bytes_per_token(e2e.model),
                            "kv_bytes_per_token": kv_bytes_per_token(e2e.model)}}
-    stages = [("reuse", e2e.reuse), ("transformers_prefill", lambda: e2e.transformers_prefill(twin)),
+    stages = [("reuse", e2e.reuse),
+              ("transformers_prefill", lambda: e2e.transformers_prefill(twins.causal_lm_prefill(twin))),
               ("scoring_prefill", lambda: e2e.decoder_prefill(scoring_prefill_tokens)),
               ("decode", lambda: decode_runs(e2e, twin)), ("long", lambda: vlcache(e2e))]
     try:
         found, errors = run_stages("e2e", stages, before_next=e2e.runtime.planner.prefix_cache.clear)
     finally:
-        e2e.runtime.planner.prefix_cache.clear()
-        e2e.runtime.arena.close()
+        e2e.runtime.close()  # the arena, caches and CUDA graphs: the next section builds its own model
     raw.update(found)
     if "decode" in raw:
         raw["decode"]["bound_tokens_per_s"] = decode_bound(raw, copy_bytes_per_s)
@@ -216,27 +224,38 @@ def rows(raw: dict) -> list[Target]:
 
 def _reuse_rows(raw: dict) -> list[Target]:
     r, hf = raw["reuse"], raw.get("transformers_prefill")
-    conduit, full = r["warm_conduit"], r["warm_full"]
     bc, bf = r["breakdown_conduit"], r["breakdown_full"]
     rows = [
-        at_least("ttft.vs_full_prefill",
-                 f"TTFT, {conduit['image_hits']} seen images under a changed prefix and order, "
-                 f"conduit r={r_of(conduit)}", conduit["ttft_s"] * 1e3, full["ttft_s"] * 1e3, "ms", 4.0,
-                 "full-prefill TTFT / conduit TTFT",
-                 f"{conduit['prompt_tokens']} prompt tokens, {conduit['refreshed_tokens']} of "
-                 f"{conduit['visual_tokens']} visual refreshed, prefill FLOPs {conduit['prefill_flops_ratio']:.3f} "
-                 f"of full; cold (vision tower): full {r['cold_full']['ttft_s'] * 1e3:.0f} ms, conduit "
-                 f"{r['cold_conduit']['ttft_s'] * 1e3:.0f} ms", invert=True),
+        ttft_row("ttft.vs_full_prefill", r),
         at_most("scoring_e2e.vs_prefill", "CONDUIT scoring + selection in the request vs its full prefill",
                 (bc["scoring"] + bc["selection"]) * 1e3, bf["prefill"] * 1e3, "ms", 0.05,
                 "(scoring + selection) / full prefill (decoder)", "from the instrumented requests"),
     ]
     if hf is not None:
-        rows.append(at_least("prefill.vs_transformers", "full prefill (decoder) vs transformers SDPA, same embeddings",
-                             bf["prefill"] * 1e3, hf["seconds"] * 1e3, "ms", 1.0, "transformers time / our time",
-                             f"{hf['tokens']} tokens; logits rel err vs ours {hf['logits_rel_err_vs_ours']:.1e}",
-                             invert=True))
+        rows.append(transformers_row("prefill.vs_transformers", r, hf))
     return rows
+
+
+def ttft_row(key: str, reuse: dict, model: str = "") -> Target:
+    """TTFT of the warm conduit request against the warm full prefill (``EndToEnd.reuse``'s runs);
+    ``model`` (e.g. "qwen3-vl-8b") starts the row's name when given."""
+    conduit, full = reuse["warm_conduit"], reuse["warm_full"]
+    return at_least(key, f"{model + ': ' if model else ''}TTFT, {conduit['image_hits']} seen images under a changed "
+                    f"prefix and order, conduit r={r_of(conduit)}", conduit["ttft_s"] * 1e3, full["ttft_s"] * 1e3,
+                    "ms", 4.0, "full-prefill TTFT / conduit TTFT",
+                    f"{conduit['prompt_tokens']} prompt tokens, {conduit['refreshed_tokens']} of "
+                    f"{conduit['visual_tokens']} visual refreshed, prefill FLOPs {conduit['prefill_flops_ratio']:.3f} "
+                    f"of full; cold (vision tower): full {reuse['cold_full']['ttft_s'] * 1e3:.0f} ms, conduit "
+                    f"{reuse['cold_conduit']['ttft_s'] * 1e3:.0f} ms", invert=True)
+
+
+def transformers_row(key: str, reuse: dict, hf: dict, model: str = "", twin: str = "transformers SDPA") -> Target:
+    """Our full prefill (the decoder, from the instrumented full request) against ``twin``'s
+    (``EndToEnd.transformers_prefill``); ``model`` starts the row's name when given."""
+    return at_least(key, f"{model + ': ' if model else ''}full prefill (decoder) vs {twin}, same embeddings",
+                    reuse["breakdown_full"]["prefill"] * 1e3, hf["seconds"] * 1e3, "ms", 1.0,
+                    "transformers time / our time",
+                    f"{hf['tokens']} tokens; logits rel err vs ours {hf['logits_rel_err_vs_ours']:.1e}", invert=True)
 
 
 def _decode_rows(raw: dict) -> list[Target]:

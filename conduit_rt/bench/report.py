@@ -94,8 +94,11 @@ def _intro() -> list[str]:
 def _rows_section() -> list[str]:
     lines = ["## What each row measures", "",
              "Kernels in bf16 with 32 query heads, 8 KV heads, head dim 128; the end-to-end model is "
-             "LLaVA-1.5-7B-shaped (Llama-2-7B decoder, CLIP ViT-L/14-336, 576 tokens per image) with random "
-             "weights, built on the GPU.", "", "| key | measures |", "| --- | --- |"]
+             "LLaVA-1.5-7B-shaped (Llama-2-7B decoder, CLIP ViT-L/14-336, 576 tokens per image), and the "
+             "families section's are Qwen3-VL-8B-shaped (Qwen3 decoder with interleaved M-RoPE and DeepStack, "
+             "1024 tokens per 1024 x 1024 image) and InternVL3-8B-shaped (Qwen2.5-7B decoder, InternViT-300M, 256 "
+             "tokens per 448 x 448 tile), all with random weights, built on the GPU one at a time.", "",
+             "| key | measures |", "| --- | --- |"]
     return lines + [f"| `{key}` | {what} |" for key, what in ROWS.items()]
 
 
@@ -124,7 +127,8 @@ def markdown(result: dict, rows: list[Target]) -> str:
         name = f"{r.name}<br><sub>{r.detail}</sub>" if r.detail else r.name
         lines.append(f"| {name} | {fmt(r.measured)} | {fmt(r.reference)} | {r.unit} | {fmt(r.ratio)} | "
                      f"{r.ratio_is} | {r.target} | {'pass' if r.passed else '**FAIL**'} |")
-    lines += ["", *_breakdown_section(result), "", *_serve_section(result), "", *_memory_section(result), "",
+    lines += ["", *_breakdown_section(result), "", *_families_section(result), "", *_serve_section(result), "",
+              *_memory_section(result), "",
               *_method_section(), "",
               *_rows_section()]
     for plot in result.get("plots", []):
@@ -148,6 +152,31 @@ def _breakdown_section(result: dict) -> list[str]:
     lines += ["", "Untimed TTFT (ms): " + ", ".join(
         f"{k} {fmt(reuse[k]['ttft_s'] * 1e3)}" for k in ("warm_conduit", "warm_full", "cold_conduit", "cold_full"))
         + " (cold: empty embedding and image-KV caches, vision tower included)."]
+    return lines
+
+
+def _families_section(result: dict) -> list[str]:
+    """The families section's runs: one line per model shape."""
+    runs = result.get("families")
+    if not runs:
+        return ["## Other model families", "", "(the families section did not run)"]
+    lines = ["## Other model families (ms)", "",
+             "The end-to-end reuse runs and the decoder's prefill on each family's random-weight model; TTFT "
+             "untimed, prefill from the instrumented full request, against the transformers twin's.", "",
+             "| model | prompt tokens | visual tokens | conduit, warm | full, warm | conduit, cold | full, cold | "
+             "our prefill | transformers prefill | logits rel err |",
+             "| --- |" + " ---: |" * 9]
+    for name, raw in runs.items():
+        reuse, hf = raw.get("reuse"), raw.get("transformers_prefill")
+        if reuse is None:
+            lines.append(f"| {name} |" + " n/a |" * 9)
+            continue
+        warm = reuse["warm_conduit"]
+        ttfts = " | ".join(fmt(reuse[k]["ttft_s"] * 1e3) for k in ("warm_conduit", "warm_full", "cold_conduit",
+                                                                    "cold_full"))
+        twin = f"{fmt(hf['seconds'] * 1e3)} | {hf['logits_rel_err_vs_ours']:.1e}" if hf else "n/a | n/a"
+        lines.append(f"| {name} | {warm['prompt_tokens']} | {warm['visual_tokens']} | {ttfts} | "
+                     f"{fmt(reuse['breakdown_full']['prefill'] * 1e3)} | {twin} |")
     return lines
 
 
@@ -191,7 +220,10 @@ def _method_section() -> list[str]:
             "gives SDPA's rate on the square problem over those keys too).",
             "- End to end: host wall clock of whole requests (the runtime's own TTFT and tokens/s); the model has "
             "random weights, shares its decoder tensors with the transformers model it is compared with, and "
-            "never stops at EOS. Image embeddings are cached in both TTFT runs, so only the decoder differs."]
+            "never stops at EOS. Image embeddings are cached in both TTFT runs, so only the decoder differs.",
+            "- Families: the same runs on each family's model, built after the previous one is freed; the "
+            "Qwen3-VL twin takes our M-RoPE positions [3, n] and DeepStack features, and its own copies of the q/k "
+            "rows and q/k norm weights in transformers' order (ours are permuted for the sectioned rotation)."]
 
 
 def plots(plot_dir: Path, result: dict, rows: list[Target]) -> list[Path]:

@@ -154,7 +154,7 @@ class ServeBench:
         ``restarts``). Before its measured request each Runtime answers ``second``'s layout over other
         images, so both find the same one-time work (graph captures) done."""
         repeats = max(1, self.work.sizes.repeats)
-        other = workload.requests(self.work.model, self.work.vocab, self.work.sizes, WARMUP_IMAGE_SEED)
+        other = workload.requests(self.work.model, self.work.fillers, self.work.sizes, WARMUP_IMAGE_SEED)
         with tempfile.TemporaryDirectory(prefix="conduit-bench-cache-") as folder:
             with self.new_runtime(Path(folder)) as runtime:
                 self._store(runtime, other.images)
@@ -173,8 +173,8 @@ class ServeBench:
         store queues a bounded number of bytes, about one 7B image entry, and drops saves past it)."""
         s = self.work.sizes
         for i, image in enumerate(images):
-            runtime.generate(synthetic.image_request([image], s.prefix_words, s.question_words, self.work.vocab, i),
-                             self.options, max_tokens=1)
+            request = synthetic.image_request([image], s.prefix_words, s.question_words, self.work.fillers, i)
+            runtime.generate(request, self.options, max_tokens=1)
             runtime.planner.image_kv.disk.flush()
 
     def _ttft(self, runtime: Runtime, messages: list[dict]) -> dict:

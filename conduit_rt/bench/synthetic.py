@@ -6,7 +6,9 @@ random images, chat requests of exact token counts, and a transformers twin of t
   per image) and the 2-layer GELU projector; ``"tiny"`` is a 2-layer model for the CPU smoke run.
 - The tokenizer maps each whitespace-separated word to one id (``w123`` is id 123), so a request's
   text has exactly the token count asked for; it fills the whole vocabulary, so every id the
-  random LM head can produce decodes.
+  random LM head can produce decodes. ``WordVocabulary`` lays one out (special tokens and template
+  words, fillers, image tokens); ``llava_vocabulary`` is LLaVA's, ``family_models`` makes Qwen's and
+  InternVL's. Requests draw their words from its ``fillers``.
 - ``transformers_twin(model)``: a ``LlamaForCausalLM`` (SDPA attention) whose parameters ARE the
   model's decoder tensors (shared, not copied): both sides run the same weights.
 """
@@ -26,7 +28,7 @@ from ..model_config import TextModelConfig, VisionModelConfig
 
 # what a missing transformers says (bench/cli.py checks it before the run starts)
 TWIN = {"extra": "bench", "command": "conduit bench", "purpose": "for its end-to-end comparison",
-        "otherwise": "leave that section out with --skip e2e"}
+        "otherwise": "leave those sections out with --skip e2e --skip families"}
 
 SPECIALS = ("<unk>", "<s>", "</s>")
 IMAGE_TOKEN, PAD_TOKEN = "<image>", "<pad>"
@@ -62,16 +64,46 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class WordVocabulary:
+    """A word-level vocabulary of ``size`` ids: the ``leading`` pieces (special tokens, the chat
+    template's words), the fillers ``w{id}`` (``fillers``), then the ``trailing`` pieces. ``special``
+    lists the pieces that are special tokens (matched before splitting on whitespace, skipped when
+    decoding); ``unk`` is the piece an unknown word would map to (none occurs: every word is in it)."""
+
+    size: int
+    leading: tuple[str, ...]
+    trailing: tuple[str, ...]
+    special: tuple[str, ...]
+    unk: str
+
+    @property
+    def fillers(self) -> range:
+        """Ids of the filler words, which requests draw their text from."""
+        return range(len(self.leading), self.size - len(self.trailing))
+
+    def pieces(self) -> tuple[str, ...]:
+        """The piece of every id, in id order."""
+        return (*self.leading, *(f"w{i}" for i in self.fillers), *self.trailing)
+
+    def tokenizer(self) -> Tokenizer:
+        pieces = self.pieces()
+        tokenizer = Tokenizer(WordLevel({piece: i for i, piece in enumerate(pieces)}, unk_token=self.unk))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.decoder = decoders.Fuse()  # pieces glued: random output needs no spacing
+        tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in self.special])
+        return tokenizer
+
+
+def llava_vocabulary(vocab_size: int) -> WordVocabulary:
+    """``<unk> <s> </s>``, the template words, ``w{id}`` fillers, then ``<image> <pad>``."""
+    return WordVocabulary(vocab_size, SPECIALS + TEMPLATE_WORDS, (IMAGE_TOKEN, PAD_TOKEN),
+                          (*SPECIALS, IMAGE_TOKEN, PAD_TOKEN), "<unk>")
+
+
 def word_tokenizer(vocab_size: int) -> Tokenizer:
-    """Word-level: ``<unk> <s> </s>``, the template words, ``w{id}`` fillers, then ``<image> <pad>``."""
-    pieces = list(SPECIALS) + list(TEMPLATE_WORDS)
-    pieces += [f"w{i}" for i in range(len(pieces), vocab_size - 2)] + [IMAGE_TOKEN, PAD_TOKEN]
-    tokenizer = Tokenizer(WordLevel({piece: i for i, piece in enumerate(pieces)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.Fuse()  # pieces glued: random output needs no spacing
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                  for t in (*SPECIALS, IMAGE_TOKEN, PAD_TOKEN)])
-    return tokenizer
+    """LLaVA's word-level tokenizer (``llava_vocabulary``)."""
+    return llava_vocabulary(vocab_size).tokenizer()
 
 
 def llava_configs(name: str, max_positions: int = 65536, seed: int = 0) -> tuple[TextModelConfig, VisionModelConfig]:
@@ -106,24 +138,23 @@ def random_images(n: int, side: int, seed: int) -> list[Image.Image]:
     return [Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)) for _ in range(n)]
 
 
-def words(n: int, vocab_size: int, rng: np.random.Generator) -> str:
-    """``n`` random filler words (one token each)."""
-    first = len(SPECIALS) + len(TEMPLATE_WORDS)
-    return " ".join(f"w{i}" for i in rng.integers(first, vocab_size - 2, n))
+def words(n: int, fillers: range, rng: np.random.Generator) -> str:
+    """``n`` random filler words (one token each) of the ids ``fillers`` (``WordVocabulary.fillers``)."""
+    return " ".join(f"w{i}" for i in rng.integers(fillers.start, fillers.stop, n))
 
 
-def image_request(images: list, prefix_words: int, question_words: int, vocab_size: int, seed: int,
+def image_request(images: list, prefix_words: int, question_words: int, fillers: range, seed: int,
                   document_words: int = 0) -> list[dict]:
     """System text (``prefix_words`` + ``document_words``), then one user turn: the images, a question."""
     rng = np.random.default_rng(seed)
     content = [{"type": "image", "image": image} for image in images]
-    content.append({"type": "text", "text": words(question_words, vocab_size, rng)})
-    system = words(prefix_words + document_words, vocab_size, rng)
+    content.append({"type": "text", "text": words(question_words, fillers, rng)})
+    system = words(prefix_words + document_words, fillers, rng)
     return [{"role": "system", "content": system}, {"role": "user", "content": content}]
 
 
-def text_request(n_words: int, vocab_size: int, seed: int) -> list[dict]:
-    return [{"role": "user", "content": words(n_words, vocab_size, np.random.default_rng(seed))}]
+def text_request(n_words: int, fillers: range, seed: int) -> list[dict]:
+    return [{"role": "user", "content": words(n_words, fillers, np.random.default_rng(seed))}]
 
 
 def transformers_twin(model):

@@ -41,6 +41,17 @@ ROWS: dict[str, str] = {
     "decode.graph_captured": "CUDA graph replays per decode step during our decode",
     "vlcache.speed": "decode tokens/s with VL-Cache at 10% keep against the uncompressed cache, 32K context",
     "vlcache.kv_bytes": "the prompt's KV bytes after VL-Cache compression over before",
+    "qwen3vl.ttft.vs_full_prefill": "as ttft.vs_full_prefill on the Qwen3-VL-8B-shaped model: 8 seen images of "
+                                    "1024 x 1024 pixels (1024 tokens each, ~8.3K prompt tokens), refresh conduit at "
+                                    "10%, against our full prefill; the cold TTFTs are in the detail",
+    "qwen3vl.prefill.vs_transformers": "our full prefill (decoder) of that request against transformers' "
+                                       "Qwen3VLTextModel (SDPA) on the same input embeddings, M-RoPE positions, "
+                                       "DeepStack features and weight tensors (q/k in transformers' order)",
+    "internvl3.ttft.vs_full_prefill": "as ttft.vs_full_prefill on the InternVL3-8B-shaped model: 8 seen images of "
+                                      "448 x 448 pixels (one tile each, 256 tokens), refresh conduit at 10%, against "
+                                      "our full prefill; the cold TTFTs are in the detail",
+    "internvl3.prefill.vs_transformers": "our full prefill (decoder) of that request against transformers' "
+                                         "Qwen2ForCausalLM (SDPA) on the same input embeddings and weight tensors",
     "serve.throughput": "the server's scheduler driven in-process (no HTTP) by concurrent clients, each request "
                         "showing 2 seen images under a new prefix (refresh conduit at 10%) and generating 128 "
                         "tokens: tokens generated / wall time of the run at 16 clients against 1 client",
