@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Soak: many mixed requests on one Runtime (the bundled model, on the CPU or a GPU); memory and KV
-blocks must stay flat, and a sample of answers must equal a fresh Runtime's.
+"""Soak: many mixed requests on one Runtime (the bundled model, or a random-weight model of a
+benchmark shape such as LLaVA-1.5-7B's; on the CPU or a GPU); memory and KV blocks must stay flat,
+and a sample of answers must equal a fresh Runtime's.
 
 The requests come from the quality task: 1-8 pages each (a third of them under new tags and order,
 as an earlier session's pages come back), a refresh policy (None, conduit, none, full) and a
@@ -18,6 +19,13 @@ only such requests show, always filled alone (``fill="isolated"``, the same KV w
 At the end a fresh Runtime answers the same sample one by one; every answer must be equal.
 
     python3 tools/soak.py --requests 10000 [--device cpu|cuda] [--threads 4] [--out soak.json]
+    python3 tools/soak.py --model llava-1.5-7b --device cuda --requests 2000
+
+``--model`` names the bundled model ("bundled") or a shape of ``conduit_rt/bench/synthetic.py``:
+that model is built on the device with random weights (``models.random_init``), its word-level
+tokenizer maps the task's words to one unknown id, and its answers always run to ``MAX_TOKENS``
+(no EOS). The checked requests' unique first line is then made of filler words, which it knows.
+The fresh Runtime of the check runs over the same weights (one copy on the device).
 
 Prints the summary as JSON (the samples too, with ``--out``, which holds the slopes so far while
 it runs); exits 1 on an error or a mismatch.
@@ -48,6 +56,8 @@ SEED, SPLIT, PROBE_SPLIT, MAX_TOKENS = 5, "test", "val", 8
 REFRESH = (None, "conduit", "conduit", "none", "full")
 COMPRESS = (None, None, "vlcache")
 MODES, MODE_WEIGHTS = ("answer", "session", "close", "drop"), (76, 8, 8, 8)
+# the arena and image caches of a Runtime over a random-weight benchmark model
+KV_CACHE_BYTES, IMAGE_CACHE_BYTES = 16 << 30, 4 << 30
 
 
 @dataclass
@@ -69,6 +79,42 @@ class Spec:
         if self.marker is not None:
             messages[0]["content"].insert(0, {"type": "text", "text": self.marker})
         return messages
+
+
+@dataclass
+class SoakModel:
+    """How the soak makes its Runtimes: over the bundled model's files, or over one random-weight
+    model of a benchmark shape (built once). ``marker`` gives a checked request's unique first line
+    in words the model's tokenizer knows."""
+
+    name: str
+    device: str
+    model: object = None
+    fillers: range | None = None
+
+    @classmethod
+    def make(cls, name: str, device: str) -> "SoakModel":
+        if name == "bundled":
+            return cls(name, device)
+        from conduit_rt.bench import synthetic, workload
+        from conduit_rt.models.random_init import random_llava
+
+        dev = torch.device(device)
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        text, vision = synthetic.llava_configs(name)
+        model = workload.never_stopping(random_llava(text, vision, dev, dtype, seed=0))
+        return cls(name, device, model, synthetic.llava_vocabulary(text.vocab_size).fillers)
+
+    def runtime(self) -> Runtime:
+        if self.model is None:
+            return Runtime(conduit_rt.BUNDLED_MODEL, device=self.device)
+        return Runtime.from_model(self.model, kv_cache_bytes=KV_CACHE_BYTES, image_cache_bytes=IMAGE_CACHE_BYTES)
+
+    def marker(self, index: int) -> str:
+        if self.fillers is None:
+            return f"{index} "
+        n = len(self.fillers)
+        return f"w{self.fillers[index % n]} w{self.fillers[index // n % n]} "
 
 
 class PageImages:
@@ -93,7 +139,7 @@ class PageImages:
             return self._png[page.key]
 
 
-def make_specs(count: int, check: float, pool_pages: int) -> list[Spec]:
+def make_specs(count: int, check: float, pool_pages: int, marker=lambda index: f"{index} ") -> list[Spec]:
     """The soak's requests, deterministic from their index."""
     pool = build_pool(SEED, SPLIT, pool_pages).pages
     probes = build_pool(SEED, PROBE_SPLIT, 24).pages  # shown only by checked requests that restore
@@ -111,7 +157,7 @@ def make_specs(count: int, check: float, pool_pages: int) -> list[Spec]:
         if rng.random() < 1 / 3:
             request = retagged_request(request, salt=i)
         mode = "answer" if checked else rng.choices(MODES, MODE_WEIGHTS)[0]
-        specs.append(Spec(i, request, options, mode, png=rng.random() < 1 / 3, marker=f"{i} " if checked else None,
+        specs.append(Spec(i, request, options, mode, png=rng.random() < 1 / 3, marker=marker(i) if checked else None,
                           pieces=rng.randint(1, 2)))
     return specs
 
@@ -173,9 +219,10 @@ def rss_bytes() -> int:
 
 
 def soak(args: argparse.Namespace) -> dict:
-    specs = make_specs(args.requests, args.check, args.pool)
+    model = SoakModel.make(args.model, args.device)
+    specs = make_specs(args.requests, args.check, args.pool, model.marker)
     pages = PageImages()
-    rt = Runtime(conduit_rt.BUNDLED_MODEL, device=args.device)
+    rt = model.runtime()
     samples, errors = Samples(), []
     counter, counter_lock = iter(range(len(specs))), threading.Lock()
     done = [0]
@@ -213,10 +260,10 @@ def soak(args: argparse.Namespace) -> dict:
     rt.close()
 
     checked = [s for s in specs if s.marker is not None]
-    with Runtime(conduit_rt.BUNDLED_MODEL, device=args.device) as fresh:
+    with model.runtime() as fresh:
         mismatches = [s.index for s in checked if serve(fresh, s, pages) != s.outcome]
     return {
-        "device": str(rt.device), "requests": len(specs), "threads": args.threads, "warmup": args.warmup,
+        "model": args.model, "device": str(rt.device), "requests": len(specs), "threads": args.threads, "warmup": args.warmup,
         "every": args.every, "elapsed_s": round(elapsed, 1), "errors": len(errors), "first_errors": errors[:5],
         "modes": {mode: sum(s.mode == mode for s in specs) for mode in MODES},
         "checked": len(checked), "mismatches": len(mismatches), "mismatched_requests": mismatches[:20],
@@ -229,6 +276,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10000)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="bundled",
+                        help="'bundled', or a shape of conduit_rt/bench/synthetic.py (random weights), e.g. llava-1.5-7b")
     parser.add_argument("--threads", type=int, default=1, help="threads sending requests to the one Runtime")
     parser.add_argument("--warmup", type=int, default=None, help="requests before the first sample (default 10%%)")
     parser.add_argument("--every", type=int, default=None, help="requests between samples (default 1%%)")

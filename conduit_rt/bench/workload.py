@@ -45,7 +45,7 @@ def build(sizes: E2ESizes, device: torch.device, dtype: torch.dtype, image_seed:
     """The LLaVA model of ``sizes.shape`` in ``dtype`` on ``device`` (seed 0) and ``sizes.n_images``
     images of ``image_seed``."""
     text, vision = synthetic.llava_configs(sizes.shape, max_positions=max(65536, 2 * sizes.long_context))
-    model = _never_stopping(random_llava(text, vision, device, dtype, seed=0))
+    model = never_stopping(random_llava(text, vision, device, dtype, seed=0))
     return requests(model, synthetic.llava_vocabulary(text.vocab_size).fillers, sizes, image_seed)
 
 
@@ -55,11 +55,11 @@ def build_family(name: str, sizes: FamilySizes, device: torch.device, dtype: tor
     ``sizes.n_images`` images of the shape's side, of ``image_seed``."""
     shape = family_models.SHAPES[name]
     text, vision = shape.configs(name)
-    model = _never_stopping(random_model(text, vision, device, dtype, seed=0))
+    model = never_stopping(random_model(text, vision, device, dtype, seed=0))
     return requests(model, shape.vocabulary().fillers, sizes, image_seed, side=shape.vision.image_side)
 
 
-def _never_stopping(model):
+def never_stopping(model):
     """``model`` without EOS ids: a request always generates the length asked for."""
     model.assets = dataclasses.replace(model.assets, eos_token_ids=frozenset())
     return model
