@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from . import validation
 from .errors import RequestError
+from .parallel.group import TensorParallelGroup
 from .results import GenerationStats
 from .selection import apportion, keep_budget, top_k_indices
 
@@ -72,8 +73,9 @@ class PromptStats:
     """
 
     def __init__(self, seq, n_layers: int, n_heads: int, scale: float, queries, post_vision: list[int],
-                 options: CompressOptions) -> None:
+                 options: CompressOptions, parallel: TensorParallelGroup | None = None) -> None:
         self.seq, self.n_layers, self.n_heads, self.scale = seq, n_layers, n_heads, scale
+        self.parallel = parallel  # tensor parallel: the statistics add up every rank's heads
         self.queries, self.post_vision, self.options = queries, post_vision, options
         self.m = seq.n_tokens(0)
         self.sorted_positions = torch.sort(seq.positions(0).long()).values  # no layer compacted yet
@@ -89,6 +91,8 @@ class PromptStats:
             else:
                 q_pos = torch.tensor(found, dtype=torch.int32, device=q.device)
                 mass, n_below, _ = self.seq.attention_stats(layer, q, q_pos, self.scale, self.options.threshold)
+                if self.parallel is not None:  # this rank's heads: the mass of all, every head's count
+                    mass, n_below = self.parallel.all_reduce(mass), self.parallel.gather(n_below, dim=0)
                 keys_seen = torch.searchsorted(self.sorted_positions, torch.tensor(found), right=True)
                 self._cache[cache_key] = (mass.cpu(), n_below.cpu(), float(keys_seen.sum()))
         return self._cache[cache_key]
@@ -265,8 +269,10 @@ class Recompressor:
     the post-vision tokens and the recent decoded ones, ranking the rest by the attention of the
     recent decoded tokens. It is the decode steps' LayerCapture (it keeps their q)."""
 
-    def __init__(self, seq, budgets: list[int], every: int, post_vision: list[int], scale: float) -> None:
+    def __init__(self, seq, budgets: list[int], every: int, post_vision: list[int], scale: float,
+                 parallel: TensorParallelGroup | None = None) -> None:
         self.seq, self.budgets, self.every, self.post_vision, self.scale = seq, budgets, every, post_vision, scale
+        self.parallel = parallel  # tensor parallel: the mass adds up every rank's heads
         self.q: dict[int, list[torch.Tensor]] = {}
         self.recent: list[int] = []
 
@@ -284,6 +290,8 @@ class Recompressor:
             q = torch.cat(self.q[layer]).contiguous()
             q_pos = torch.tensor(self.recent, dtype=torch.int32, device=q.device)
             mass, _, _ = self.seq.attention_stats(layer, q, q_pos, self.scale)
+            if self.parallel is not None:
+                mass = self.parallel.all_reduce(mass)
             positions = self.seq.positions(layer).tolist()
             forced_positions = set(self.recent) | set(self.post_vision)
             forced = [slot for slot, p in enumerate(positions) if p in forced_positions]
@@ -293,13 +301,17 @@ class Recompressor:
 
 
 def compress_prompt(policy: CompressionPolicy, keep: float, options: CompressOptions, seq, config, queries,
-                    post_vision: list[int], stats: GenerationStats, trace: bool = False) -> Recompressor | None:
+                    post_vision: list[int], stats: GenerationStats, trace: bool = False,
+                    parallel: TensorParallelGroup | None = None) -> Recompressor | None:
     """Keeps ``keep`` of the prefilled prompt's KV per layer as ``policy`` chooses (compaction gives
     the rest back to the arena) and records the sizes in ``stats`` (with ``trace``, also the prompt
     positions each layer kept: ``stats.kept_positions``; a re-compressor's later choices are not in
     it). ``queries(layer, positions)`` gives the q the prefill computed (see ``PromptStats``). Returns
-    the decode steps' re-compressor when ``options.recompress_every`` asks for one."""
-    prompt = PromptStats(seq, config.n_layers, config.n_heads, config.attention_scale, queries, post_vision, options)
+    the decode steps' re-compressor when ``options.recompress_every`` asks for one. ``parallel``: the
+    group of a tensor-parallel model, whose ranks add up their heads' statistics (every rank then
+    keeps the same slots)."""
+    prompt = PromptStats(seq, config.n_layers, config.n_heads, config.attention_scale, queries, post_vision, options,
+                         parallel)
     stats.kv_bytes_before_compress = seq.nbytes
     kept = policy.keep(prompt, keep)
     if trace:  # slot -> position before compaction (every layer holds the prompt in the same slots)
@@ -310,4 +322,5 @@ def compress_prompt(policy: CompressionPolicy, keep: float, options: CompressOpt
     stats.kv_bytes_after_compress = seq.nbytes
     stats.kept_tokens_per_layer = [len(slots) for slots in kept]
     every = options.recompress_every
-    return Recompressor(seq, stats.kept_tokens_per_layer, every, post_vision, config.attention_scale) if every else None
+    return (Recompressor(seq, stats.kept_tokens_per_layer, every, post_vision, config.attention_scale, parallel)
+            if every else None)

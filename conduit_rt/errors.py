@@ -162,3 +162,17 @@ NATIVE_ERRORS: dict[int, type[NativeError]] = {
         InternalError,
     )
 }
+
+
+class TensorParallelError(ConduitError, ValueError):
+    """A tensor-parallel Runtime cannot be made or asked as it was: the model's attention heads, KV
+    heads or MLP width are not divisible by ``tensor_parallel``, there are fewer GPUs than ranks, a
+    ``torchrun`` world of another size, or an option whose work is not split across ranks (a cache
+    folder, a refresh policy that ranks tokens by the norms of their K and V changes). The message
+    says which and what to use instead."""
+
+
+class WorkerFailedError(ConduitError, RuntimeError):
+    """A worker process of a tensor-parallel Runtime crashed, was killed or raised an error that the
+    other ranks did not share. The message names the rank, its exit code and its error when it sent
+    one. The other workers are stopped and the Runtime is closed: create a new one."""

@@ -15,6 +15,7 @@ from .chat import ImageSlot, Prompt, TextRun, build_prompt, validate_messages
 from .errors import RequestError
 from .image_cache import DecodedImages, EmbeddingCache
 from .models.base import PreparedImage
+from .parallel.group import model_group
 from .preprocess import encoded_bytes, image_key, to_rgb_array
 
 # VL-Cache's P for a prompt without images: its last tokens (docs/methods.md §2 step 1)
@@ -150,7 +151,11 @@ class RequestReader:
         key = request.keys[image_index]
         features = self.embeddings.get(key)
         if features is None:
-            (features,) = self.model.encode_images([request.images[image_index]])
+            parallel = model_group(self.model)
+            if parallel is None:
+                (features,) = self.model.encode_images([request.images[image_index]])
+            else:  # tensor parallel: the tower runs on rank 0, the others receive its features
+                features = parallel.encoded_on_first_rank(self.model, request.images[image_index])
             self.embeddings.put(key, features)
         return features
 

@@ -30,6 +30,7 @@ from .capture import PassCapture
 from .chat import ImageSlot
 from .image_cache import CachedImage
 from .models.base import ForwardBatch, VisionLanguageModel
+from .parallel.group import model_group
 from .refresh import LayerObserver, RefreshOptions, RefreshPolicy, VisualTokens
 from .results import GenerationStats
 from .selection import budget_tokens
@@ -251,7 +252,9 @@ class _Context:
             per_layer.append(logits.softmax(dim=-1).mean(dim=1)[:, slots])       # [H, N]
         self.run.stats.prefill_flops += len(layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
                                                           for p in self.run.query_positions)
-        return torch.stack(per_layer)
+        parallel = model_group(self.run.model)
+        # tensor parallel: each rank has its own heads; gathered in rank order, they are every head in order
+        return torch.stack(per_layer) if parallel is None else parallel.gather(torch.stack(per_layer), dim=1)
 
     def first_layer_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every restored visual token through layer 0 (its layer-0 KV, a function of its embedding
@@ -341,7 +344,10 @@ class _PassScores:
             else:
                 q_pos = torch.tensor(found, dtype=torch.int32).to(device, non_blocking=True)
                 masses = seq.attention_mass(self.layers, q, q_pos, lse, config.attention_scale)
-                self._attention = masses[:, slots] / (len(found) * config.n_heads)
+                n_heads, parallel = config.n_heads, model_group(self.run.model)
+                if parallel is not None:  # each rank summed its own heads: add up every rank's
+                    masses, n_heads = parallel.all_reduce(masses), n_heads * parallel.size
+                self._attention = masses[:, slots] / (len(found) * n_heads)
             self.used = True
             self.flops = len(self.layers) * sum(2.0 * config.n_heads * config.head_dim * (p + 1)
                                                 for p in self.run.query_positions)
@@ -350,6 +356,9 @@ class _PassScores:
     def value_norms(self) -> torch.Tensor:
         """||V_l(t)|| over all KV heads, from the cached entries: float32 [n_layers_chosen, N]."""
         norms = torch.cat([r.cached.value_norms for r in self.run.restored], dim=1)  # [L, N]
+        parallel = model_group(self.run.model)
+        if parallel is not None:  # each rank's entries hold its own KV heads: the norm over all of them
+            norms = parallel.all_reduce(norms.square()).sqrt()
         if self.layers != list(range(norms.shape[0])):
             # a device index: a Python list would go up in a blocking copy, which waits for the scoring
             norms = norms[torch.tensor(self.layers).to(norms.device, non_blocking=True)]

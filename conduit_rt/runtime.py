@@ -39,6 +39,7 @@ from .image_cache import DecodedImages, EmbeddingCache, ImageKVStore
 from .limits import check_request_fits, check_runtime_arguments
 from .locking import RequestLock
 from .options import GenerationOptions
+from .parallel.group import model_group
 from .planning import HeldSequence, Planner
 from .prefix_cache import PrefixCache
 from .request import Request, RequestReader
@@ -140,6 +141,7 @@ class Runtime:
             share the folder. Default None: nothing on disk.
         cache_dir_bytes: the folder's LRU byte budget (default 4 GiB; the least recently used
             files go first).
+        tensor_parallel: split the decoder over this many processes (see "Tensor parallel" below).
         cuda_graphs: on a CUDA device, replay each decode step from a captured CUDA graph
             (``decode_graph.GraphedDecoder``) instead of launching it from Python, and the dense work
             of prefill passes of up to 1024 tokens between their attentions
@@ -159,12 +161,24 @@ class Runtime:
     Lifetime: ``close`` (or leaving a ``with Runtime(...) as runtime:`` block) ends the open streams
     and frees the KV arena, the caches and the CUDA graphs; later calls raise RuntimeClosedError.
     Runtimes still open at interpreter exit are closed then, before the interpreter tears down.
+
+    Tensor parallel: ``Runtime(..., tensor_parallel=N)`` with N > 1 returns a
+    ``parallel.driver.ParallelRuntime`` (the same ``generate``, ``stream``, ``chat`` and ``close``),
+    which runs this request path in N processes, each over its share of the decoder.
     """
+
+    def __new__(cls, *args, tensor_parallel: int = 1, **kwargs):
+        if tensor_parallel == 1:
+            return super().__new__(cls)
+        from .parallel.driver import ParallelRuntime
+
+        return ParallelRuntime(*args, tensor_parallel=tensor_parallel, **kwargs)
 
     def __init__(self, model_path: str | Path, mmproj: str | Path | None = None, device: str | torch.device = "auto",
                  dtype: torch.dtype | None = None, kv_cache_bytes: int | None = None,
                  image_cache_bytes: int | None = None, prefix_cache_entries: int = 4, cuda_graphs: bool = True,
-                 cache_dir: str | Path | None = None, cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES) -> None:
+                 cache_dir: str | Path | None = None, cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
+                 tensor_parallel: int = 1) -> None:
         from .models import load_model
 
         check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
@@ -363,7 +377,7 @@ class Runtime:
             return None
         return compress_prompt(compression, options.keep, options.compress_options, prefilled.seq, self.model.config,
                                prefilled.capture.queries, compression.query_rows(request), prefilled.stats,
-                               options.trace_selection)
+                               options.trace_selection, model_group(self.model))
 
 
 # Runtimes not closed yet. At interpreter exit they are closed while every module is still whole;

@@ -19,9 +19,10 @@ LAYERS = [
     (2, "arena", ["arena", "topk"]),
     (3, "model and policies", ["model_config", "model_file", "model_keys", "preprocess", "preprocess_tiles", "tokenizer", "chat", "sampling",
                                "models", "selection", "refresh", "compress", "image_cache", "disk_cache", "disk_entry",
-                               "prefix_cache", "decode_graph", "batch_decode", "prefill_graph", "convert"]),
+                               "prefix_cache", "decode_graph", "batch_decode", "prefill_graph", "convert",
+                               "parallel", "parallel.group", "parallel.sharding"]),
     (4, "runtime", ["runtime", "reuse", "capture", "session", "request", "options", "planning", "decoding",
-                    "prefill", "limits"]),
+                    "prefill", "limits", "parallel.worker", "parallel.driver"]),
     (5, "applications", ["cli", "demo", "evaluation", "evaluation.recall", "bench", "convert.cli", "convert.__main__",
                          "serve"]),
 ]

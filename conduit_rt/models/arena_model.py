@@ -45,6 +45,7 @@ class ArenaVisionLanguageModel(nn.Module):
         self.config, self.assets = config, assets
         self.language_model = language_model  # registered first: parameter order is part of random_init's draws
         self.device, self.dtype = torch.device("meta"), torch.float32
+        self.parallel = None  # tensor parallel: this rank's group (``parallel.sharding.shard_model``)
 
     def vision_module(self) -> nn.Module | None:
         """The vision tower, or None when the model was loaded without its mmproj file."""

@@ -147,6 +147,8 @@ class LlamaAttention(StackedProjections):
         # attributes, not parameters: the state dict keeps transformers' names
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        # tensor parallel (``parallel.sharding``): this rank's heads only; ``output`` sums the ranks'
+        self.parallel = None
 
     def stack_projections(self) -> None:
         projections = [self.q_proj, self.k_proj, self.v_proj]
@@ -183,9 +185,11 @@ class LlamaAttention(StackedProjections):
         return out
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
-        """The output projection: attention [n, n_heads, head_dim] -> [n, hidden]."""
-        return fused.linear(attn.view(attn.shape[0], self.n_heads * self.head_dim), self.o_proj.weight,
-                            self.o_proj.bias)
+        """The output projection: attention [n, n_heads, head_dim] -> [n, hidden]. Tensor parallel:
+        each rank projects its own heads (its columns of o_proj), and the all-reduce adds them up."""
+        out = fused.linear(attn.view(attn.shape[0], self.n_heads * self.head_dim), self.o_proj.weight,
+                           self.o_proj.bias)
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaMLP(StackedProjections):
@@ -195,6 +199,7 @@ class LlamaMLP(StackedProjections):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # [2 intermediate, hidden] after stack_projections
+        self.parallel = None  # tensor parallel: this rank's rows of gate/up, columns of down; summed in forward
 
     def stack_projections(self) -> None:
         self.gate_up_weight = self._stack([self.gate_proj, self.up_proj], "weight")
@@ -205,7 +210,8 @@ class LlamaMLP(StackedProjections):
             gated = fused.silu_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1))
         else:
             gated = fused.linear_silu_gate(x, self.gate_up_weight)
-        return fused.linear(gated, self.down_proj.weight)
+        out = fused.linear(gated, self.down_proj.weight)
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -270,6 +276,7 @@ class LlamaDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.parallel = None  # tensor parallel: lm_head holds this rank's rows of the vocabulary
 
     def init_rotary(self, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config.rope, device)
@@ -312,5 +319,9 @@ class LlamaDecoder(nn.Module):
         return attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers)."""
-        return fused.linear(self.norm(hidden), self.lm_head.weight).float()
+        """hidden [n, hidden] -> float32 logits [n, vocab] (LM head in the model dtype, as transformers).
+        Tensor parallel: each rank's rows of the (padded) vocabulary, gathered in rank order."""
+        logits = fused.linear(self.norm(hidden), self.lm_head.weight)
+        if self.parallel is not None:
+            logits = self.parallel.gather(logits, dim=-1)[:, : self.config.vocab]
+        return logits.float()
