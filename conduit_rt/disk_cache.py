@@ -12,6 +12,11 @@ under them as misses. The LRU byte budget is kept by sweeps that hold a lock fil
 a hit touches the file's mtime, and a sweep deletes the least recently touched files until the
 folder's ``*.safetensors`` files (every model's) fit ``max_bytes``.
 
+Reads take a file's header and bytes through one open descriptor (a file renamed over the name
+meanwhile never mixes into the one being read), straight into tensors on the model's device, and
+give an entry out only once its checksum matched (``disk_entry.read_entries``). ``load_many`` reads
+the files of several keys (a request's images) together, their pieces spread over one thread pool.
+
 Writes run on one background thread per store, off the request's path: ``save`` takes the
 tensors as the request left them (on the model's device) and queues them. The queue holds
 ``MAX_PENDING_BYTES``, or ``MIN_PENDING_ENTRIES`` entries when entries are larger than an eighth of
@@ -31,11 +36,12 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator, TypeVar
 
 import filelock
 import torch
 
-from .disk_entry import DiskEntry, EntryFormat, EntryLayout
+from .disk_entry import DiskEntry, EntryFile, EntryFormat, EntryLayout, read_entries
 from .errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,11 @@ MAX_PENDING_BYTES = 512 << 20
 MIN_PENDING_ENTRIES = 8
 # A temporary file this old belongs to a writer that died: a sweep deletes it.
 STALE_TEMP_S = 3600.0
+# Bytes of files read at once by ``load_many`` (at least one file): the entries read together are on
+# the device together, until the caller has taken them (a request's 7B-class images, ~300 MB each).
+MAX_LOADING_BYTES = 1 << 30
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,31 +142,71 @@ class DiskImageStore:
         """Whether a file exists under ``key`` (not checked; not counted as a use)."""
         return self.path(key).is_file()
 
-    def load(self, key: bytes, n_tokens: int | None = None) -> DiskEntry | None:
-        """The entry under ``key`` (of ``n_tokens`` tokens, when given), touched as most recently used;
-        None when there is no file, or when the file is unusable (then it is deleted)."""
+    def load(self, key: bytes, n_tokens: int | None = None, device: torch.device | str = "cpu") -> DiskEntry | None:
+        """The entry under ``key`` (of ``n_tokens`` tokens, when given) on ``device``, touched as most
+        recently used; None when there is no file, or when the file is unusable (then it is deleted)."""
+        return dict(self.load_many({key: n_tokens}, device))[key]
+
+    def load_many(self, wanted: dict[bytes, int | None],
+                  device: torch.device | str = "cpu") -> Iterator[tuple[bytes, DiskEntry | None]]:
+        """(key, entry or None) for each key of ``wanted`` (key -> n_tokens, or None for any), as
+        ``load`` gives them one by one, but the files read together (``disk_entry.read_entries``:
+        their pieces share the checksum threads), ``MAX_LOADING_BYTES`` of files at a time so that
+        the device holds no more than that before the caller takes the entries of a group."""
+        opened: list[tuple[bytes, Path, os.stat_result, EntryFile]] = []
+        try:
+            for key, n_tokens in wanted.items():
+                found = self._open(key, n_tokens)
+                if found is None:
+                    yield key, None
+                else:
+                    opened.append((key, *found))
+            for group in _groups(opened, lambda item: item[3].size, MAX_LOADING_BYTES):
+                read = read_entries([file for *_, file in group], device)
+                for (key, path, seen, _), result in zip(group, read):
+                    yield key, self._settle(path, seen, result)
+        finally:
+            for *_, file in opened:
+                os.close(file.fd)
+
+    def _open(self, key: bytes, n_tokens: int | None) -> tuple[Path, os.stat_result, EntryFile] | None:
+        """The file under ``key`` opened and its header checked; None (counted) when there is none
+        or it is unusable (then deleted)."""
         path = self.path(key)
         try:
-            seen = path.stat()
+            fd = os.open(path, os.O_RDONLY)
         except OSError:  # never written, or evicted (by any process)
             self._count("misses")
             return None
+        seen = None
         try:
-            entry = self.format.decode(path, key, n_tokens)
-        except FileNotFoundError:  # evicted by another process between the two calls
-            self._count("misses")
-            return None
+            seen = os.fstat(fd)
+            return path, seen, self.format.check(fd, key, n_tokens)
         except Exception as error:  # noqa: BLE001 (whatever is wrong with the file, it is a miss)
-            logger.warning("image-KV cache file %s is unusable (%s): deleted", path, error)
-            self._delete_if_unchanged(path, seen)
-            self._count("misses", "rejected")
+            os.close(fd)
+            self._reject(path, error, seen)
+            return None
+
+    def _settle(self, path: Path, seen: os.stat_result, read: DiskEntry | Exception) -> DiskEntry | None:
+        """A read entry as a hit (the file touched as most recently used), or a failed one as a miss
+        (the file deleted unless another process replaced it since ``seen``)."""
+        if isinstance(read, Exception):
+            self._reject(path, read, seen)
             return None
         try:
             os.utime(path)
         except OSError:
             pass  # evicted meanwhile: the entry read is whole all the same
         self._count("hits")
-        return entry
+        return read
+
+    def _reject(self, path: Path, error: Exception, seen: os.stat_result | None) -> None:
+        """Counts an unusable file as a miss and deletes it, unless another process replaced it since
+        ``seen`` (the file that was read; None when even that could not be known)."""
+        logger.warning("image-KV cache file %s is unusable (%s): deleted", path, error)
+        if seen is not None:
+            self._delete_if_unchanged(path, seen)
+        self._count("misses", "rejected")
 
     # -- saves ------------------------------------------------------------------------------------------
     def save(self, key: bytes, k: list[torch.Tensor], v: list[torch.Tensor], value_norms: torch.Tensor,
@@ -295,6 +346,20 @@ class DiskImageStore:
                 path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _groups(items: list[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """``items`` in order, cut into runs of at most ``limit`` total ``size`` (one item at least)."""
+    group: list[T] = []
+    total = 0
+    for item in items:
+        if group and total + size(item) > limit:
+            yield group
+            group, total = [], 0
+        group.append(item)
+        total += size(item)
+    if group:
+        yield group
 
 
 def pending_limit(nbytes: int) -> int:

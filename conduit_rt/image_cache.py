@@ -13,21 +13,25 @@ one by the encoded file an image came in:
   weight attention by them). With a ``disk_cache.DiskImageStore`` (``Runtime(cache_dir=...)``),
   every entry stored is also written to disk with its norms and embedding, and an entry missing
   from the arena is looked for there: a valid file is loaded into the arena (its embedding into
-  the ``EmbeddingCache``) and used as an entry stored in this process would be.
+  the ``EmbeddingCache``) and used as an entry stored in this process would be. The images of one
+  request that are on disk only are read together (``ImageKVStore.preloaded``).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from .arena import ImageEntry, KVArena
 from .disk_cache import DiskImageStore
+from .disk_entry import DiskEntry
 from .errors import AlreadyExistsError, ArenaFullError
 
 logger = logging.getLogger(__name__)
@@ -150,6 +154,8 @@ class ImageKVStore:
                  embeddings: EmbeddingCache | None = None) -> None:
         self.arena, self.disk, self.embeddings = arena, disk, embeddings
         self._norms: dict[bytes, torch.Tensor] = {}
+        # key -> what ``preloaded`` found on disk (None: the file was unusable) for ``acquire`` to take
+        self._preloaded: dict[bytes, CachedImage | None] = {}
 
     @property
     def enabled(self) -> bool:
@@ -157,14 +163,36 @@ class ImageKVStore:
 
     def acquire(self, key: bytes, n_tokens: int | None = None) -> CachedImage | None:
         """A reference to the stored image (release it when the request ends), or None. An image not
-        in the arena is loaded from the disk store, if there (of ``n_tokens`` tokens, when given)."""
+        in the arena is loaded from the disk store, if there (of ``n_tokens`` tokens, when given),
+        unless ``preloaded`` already looked for it."""
         if not self.enabled:
             return None
+        if key in self._preloaded:
+            return self._preloaded.pop(key)
         entry = self.arena.acquire_image(key)
         if entry is None:
             self._norms.pop(key, None)  # evicted natively since we last saw it
             return self._load(key, n_tokens)
         return CachedImage(key, entry, self._norms[key])
+
+    @contextlib.contextmanager
+    def preloaded(self, wanted: dict[bytes, int | None]) -> Iterator[None]:
+        """Within: the images of ``wanted`` (key -> n_tokens, or None for any) that the arena lacks
+        and the disk store holds are loaded from disk together, as ``acquire`` would load them one
+        by one (the files read at once, ``DiskImageStore.load_many``), and held for the first
+        ``acquire`` of each key. Leaving releases those no ``acquire`` took."""
+        try:
+            if self.enabled and self.disk is not None:
+                on_disk = {key: n for key, n in wanted.items()
+                           if not self.arena.has_image(key) and self.disk.contains(key)}
+                for key, cached in self._load_many(on_disk):
+                    self._preloaded[key] = cached  # held here at once: released below whatever happens
+            yield
+        finally:
+            for cached in self._preloaded.values():
+                if cached is not None:
+                    cached.release()
+            self._preloaded.clear()
 
     def store(self, key: bytes, k_pre_rope: list[torch.Tensor], v: list[torch.Tensor]) -> bool:
         """Stores one image: per layer K (before RoPE) and V [n_tokens, n_kv_heads, head_dim]; and
@@ -205,14 +233,23 @@ class ImageKVStore:
         the embedding cache), or None: no disk store, no valid file, or no room in the arena."""
         if self.disk is None:
             return None
-        found = self.disk.load(key, n_tokens)
-        if found is None:
-            return None
-        device = self.arena.device
-        if not self._put(key, list(found.k.to(device)), list(found.v.to(device)), found.value_norms.to(device)):
+        return dict(self._load_many({key: n_tokens}))[key]
+
+    def _load_many(self, wanted: dict[bytes, int | None]) -> Iterator[tuple[bytes, CachedImage | None]]:
+        """(key, ``_load`` of it) for each key of ``wanted`` (key -> n_tokens), the files read
+        together. Each entry goes into the arena (the disk store checked it whole: its checksum
+        matched) as its group of files is read, so no more than a group is on the device beside the
+        arena."""
+        for key, found in self.disk.load_many(wanted, self.arena.device):
+            yield key, self._adopt(key, found) if found is not None else None
+
+    def _adopt(self, key: bytes, found: DiskEntry) -> CachedImage | None:
+        """A checked entry from disk (its tensors on the arena's device) put into the arena, its
+        embedding into the embedding cache; None when the arena has no room."""
+        if not self._put(key, list(found.k), list(found.v), found.value_norms):
             return None
         if found.embedding is not None and self.embeddings is not None:
-            self.embeddings.put(key, found.embedding.to(device))
+            self.embeddings.put(key, found.embedding)
         entry = self.arena.acquire_image(key)
         return CachedImage(key, entry, self._norms[key], from_disk=True) if entry is not None else None
 

@@ -137,28 +137,37 @@ class Planner:
 
     def _images(self, request: Request, plan: Plan, restore: bool, isolated: bool) -> None:
         """Sorts the images after the exact prefix into restored (cache hit) and computed (miss, to
-        be stored as the request computes them)."""
+        be stored as the request computes them). The images to restore that are on disk only are
+        loaded together first (``ImageKVStore.preloaded``): a 7B-class entry is ~300 MB to read and
+        check, and the request waits for all of them."""
+        slots = request.prompt.image_slots
+        wanted = {request.keys[s.image_index]: s.n_tokens for s in slots if restore and s.start >= plan.reused}
+        with self.image_kv.preloaded(wanted):
+            for slot in slots:
+                self._sort_image(request, plan, slot, restore, isolated)
+
+    def _sort_image(self, request: Request, plan: Plan, slot: ImageSlot, restore: bool, isolated: bool) -> None:
+        """One image slot of ``_images``: restored, filled alone then restored, or to be computed."""
         stats = plan.stats
-        for slot in request.prompt.image_slots:
-            key = request.keys[slot.image_index]
-            if slot.start + slot.n_tokens <= plan.reused:
-                stats.image_hits += 1  # inside the exact prefix
-                continue
-            cached = self.image_kv.acquire(key, slot.n_tokens) if restore and slot.start >= plan.reused else None
+        key = request.keys[slot.image_index]
+        if slot.start + slot.n_tokens <= plan.reused:
+            stats.image_hits += 1  # inside the exact prefix
+            return
+        cached = self.image_kv.acquire(key, slot.n_tokens) if restore and slot.start >= plan.reused else None
+        if cached is not None:
+            stats.image_hits += 1
+            stats.image_disk_hits += cached.from_disk
+            plan.restored.append(RestoredImage(slot, cached))
+            return
+        stats.image_misses += 1
+        if restore and isolated and self.image_kv.enabled:
+            self._fill_isolated(request, slot)  # then restored and refreshed like a hit
+            cached = self.image_kv.acquire(key)
             if cached is not None:
-                stats.image_hits += 1
-                stats.image_disk_hits += cached.from_disk
                 plan.restored.append(RestoredImage(slot, cached))
-                continue
-            stats.image_misses += 1
-            if restore and isolated and self.image_kv.enabled:
-                self._fill_isolated(request, slot)  # then restored and refreshed like a hit
-                cached = self.image_kv.acquire(key)
-                if cached is not None:
-                    plan.restored.append(RestoredImage(slot, cached))
-                    continue
-            if self.image_kv.enabled and key not in plan.store and not self.arena.has_image(key):
-                plan.store[key] = (slot.start, slot.start + slot.n_tokens)  # stored as this request computes it
+                return
+        if self.image_kv.enabled and key not in plan.store and not self.arena.has_image(key):
+            plan.store[key] = (slot.start, slot.start + slot.n_tokens)  # stored as this request computes it
 
     def _fill_isolated(self, request: Request, slot: ImageSlot) -> None:
         """Computes an image's KV alone in a one-image chat wrapper and stores it."""

@@ -2,7 +2,8 @@
 model (CPU).
 
 A Runtime started again over a cache folder restores the images a closed one computed and answers
-as the closed one answered them warm; unusable files are misses, deleted, and the answer is the one
+as the closed one answered them warm; a request's images on disk are read together; unusable files
+are misses, deleted (one among several alone), leave nothing in the arena, and the answer is the one
 computed without them; the folder keeps its LRU byte budget; two processes writing one folder at
 once leave only whole files, holding the KV a Runtime computes; bad arguments are typed errors.
 """
@@ -205,7 +206,11 @@ def other_key(path: Path, other: Path) -> None:
     path.write_bytes(other.read_bytes())
 
 
-SPOILERS = [flipped, truncated, empty, garbage, foreign_model, other_dtype, wrong_shape, other_key]
+def appended(path: Path, other: Path) -> None:
+    path.write_bytes(path.read_bytes() + bytes(8))  # the tensors no longer end where the file does
+
+
+SPOILERS = [flipped, truncated, empty, garbage, foreign_model, other_dtype, wrong_shape, other_key, appended]
 
 
 @pytest.mark.parametrize("spoil", SPOILERS, ids=lambda spoil: spoil.__name__)
@@ -247,6 +252,157 @@ def test_a_runtime_computes_what_an_unusable_file_held(pristine, tmp_path, spoil
     for key in pristine.keys:  # written again, whole
         assert_entry_is(store.load(key, pristine.n_tokens), pristine.kv[key])
     store.close()
+
+
+# -- a request's images, read together ---------------------------------------------------------------
+
+def spy_on_reads(monkeypatch) -> list[int]:
+    """The number of files of each ``read_entries`` call the store makes from now on."""
+    from conduit_rt import disk_cache
+
+    calls, read = [], disk_cache.read_entries
+
+    def counted(files, device):
+        calls.append(len(files))
+        return read(files, device)
+
+    monkeypatch.setattr(disk_cache, "read_entries", counted)
+    return calls
+
+
+def test_a_requests_images_are_read_together_and_answer_as_the_warm_runtime(pristine, tmp_path, monkeypatch):
+    reads = spy_on_reads(monkeypatch)
+    with new_runtime(copy_of(pristine, tmp_path)) as runtime:
+        result = runtime.generate(pristine.warm, **ANSWER)
+    assert reads == [2]
+    assert (result.stats.image_hits, result.stats.image_disk_hits) == (2, 2)
+    assert_same_answer(result, pristine.warm_result)
+
+
+def test_files_past_the_loading_bound_are_read_a_group_at_a_time(pristine, tmp_path, monkeypatch):
+    from conduit_rt import disk_cache
+
+    reads = spy_on_reads(monkeypatch)
+    monkeypatch.setattr(disk_cache, "MAX_LOADING_BYTES", pristine.paths[0].stat().st_size * 3 // 2)
+    with new_runtime(copy_of(pristine, tmp_path)) as runtime:
+        result = runtime.generate(pristine.warm, **ANSWER)
+    assert reads == [1, 1]
+    assert (result.stats.image_hits, result.stats.image_disk_hits) == (2, 2)
+    assert_same_answer(result, pristine.warm_result)
+
+
+def test_the_same_image_twice_is_read_once(pristine, tmp_path, monkeypatch):
+    """The second slot of an image takes the entry the first one loaded, from the arena; the answer
+    is a warm Runtime's, which held the image in memory."""
+    reads = spy_on_reads(monkeypatch)
+    first = picture(1)
+    twice = messages("Look:", [first, first])
+    with new_runtime(None) as warm:
+        warm.generate(messages("Look:", [first]), **ANSWER)  # computes the image as the pristine folder's
+        expected = warm.generate(twice, **ANSWER)
+    assert (expected.stats.image_hits, expected.stats.image_disk_hits) == (2, 0)
+    with new_runtime(copy_of(pristine, tmp_path)) as runtime:
+        result = runtime.generate(twice, **ANSWER)
+    assert reads == [1]
+    assert (result.stats.image_hits, result.stats.image_disk_hits, result.stats.image_misses) == (2, 1, 0)
+    assert_same_answer(result, expected)
+    assert runtime.disk_cache_stats().hits == 1
+
+
+@pytest.mark.parametrize("spoil", [flipped, truncated], ids=lambda spoil: spoil.__name__)
+def test_an_unusable_file_among_a_requests_images_is_a_miss_the_others_hits(pristine, tmp_path, spoil):
+    """The answer is the one of a Runtime whose folder lacks the spoiled file."""
+    spoiled, without = copy_of(pristine, tmp_path / "spoiled"), copy_of(pristine, tmp_path / "without")
+    bad = pristine.paths[0].name
+    spoil(spoiled / bad, pristine.paths[1])
+    (without / bad).unlink()
+    with new_runtime(without) as reference:
+        expected = reference.generate(pristine.warm, **ANSWER)
+    with new_runtime(spoiled) as runtime:
+        result = runtime.generate(pristine.warm, **ANSWER)
+    assert (result.stats.image_hits, result.stats.image_disk_hits, result.stats.image_misses) == (1, 1, 1)
+    assert_same_answer(result, expected)
+    stats = runtime.disk_cache_stats()
+    assert (stats.hits, stats.misses, stats.rejected, stats.writes) == (1, 1, 1, 1)  # computed, written again
+
+
+def test_a_checksum_mismatch_leaves_no_arena_entry(pristine, tmp_path):
+    """Loading two files, one of them corrupted, commits the good one alone: the arena's counts move
+    by exactly one entry of the good image."""
+    directory = copy_of(pristine, tmp_path)
+    bad, good = pristine.keys
+    flipped(directory / pristine.paths[0].name, pristine.paths[1])
+    with new_runtime(directory) as runtime:
+        image_kv = runtime.planner.image_kv
+        before = runtime.arena.stats()
+        assert image_kv.acquire(bad, pristine.n_tokens) is None
+        assert runtime.arena.stats() == before
+        shutil.copy(pristine.paths[0], directory / pristine.paths[0].name)  # the miss deleted it: again
+        flipped(directory / pristine.paths[0].name, pristine.paths[1])
+        with image_kv.preloaded({bad: pristine.n_tokens, good: pristine.n_tokens}):
+            assert image_kv.acquire(bad, pristine.n_tokens) is None
+            cached = image_kv.acquire(good, pristine.n_tokens)
+            assert cached is not None and cached.from_disk
+            cached.release()
+        after = runtime.arena.stats()
+        assert not runtime.arena.has_image(bad) and runtime.arena.has_image(good)
+        assert after.n_image_entries == before.n_image_entries + 1
+        entry = after.image_bytes - before.image_bytes
+        assert entry > 0 and after.bytes_used - before.bytes_used == entry
+        got = entry_kv(runtime, good)
+        assert all(torch.equal(a, b) for pair, want in zip(got, pristine.kv[good]) for a, b in zip(pair, want))
+    assert runtime.disk_cache_stats().rejected == 2
+
+
+def test_preloaded_entries_no_acquire_took_are_released(pristine, tmp_path):
+    """Leaving ``preloaded`` lets go of the entries it loaded: they stay in the arena, unreferenced
+    (so evictable), and a later acquire finds them there."""
+    with new_runtime(copy_of(pristine, tmp_path)) as runtime:
+        image_kv = runtime.planner.image_kv
+        with image_kv.preloaded({key: pristine.n_tokens for key in pristine.keys}):
+            pass
+        for key in pristine.keys:
+            runtime.arena.evict_image(key)  # refused for an entry still referenced
+            assert not runtime.arena.has_image(key)
+    assert runtime.disk_cache_stats().hits == 2
+
+
+def test_a_file_cut_short_while_read_fails_alone(pristine, tmp_path):
+    """``read_entries`` judges each file by the bytes it read: one cut after its header was checked
+    gives an error, the other file of the same read its entry."""
+    directory = copy_of(pristine, tmp_path)
+    fmt = disk_entry.EntryFormat(pristine.model_id, pristine.layout)
+    paths = [directory / path.name for path in pristine.paths]
+    fds = [os.open(path, os.O_RDONLY) for path in paths]
+    try:
+        files = [fmt.check(fd, key, pristine.n_tokens) for fd, key in zip(fds, pristine.keys)]
+        os.truncate(paths[0], paths[0].stat().st_size - 1)
+        cut, whole = disk_entry.read_entries(files, "cpu")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert isinstance(cut, disk_entry.UnusableEntryError) and "ends" in str(cut)
+    assert_entry_is(whole, pristine.kv[pristine.keys[1]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_entry_read_to_the_gpu_holds_the_files_bytes(pristine, tmp_path):
+    """Through pinned buffers and a side stream: the tensors the CPU read gives; a corrupted file
+    is an error there as here."""
+    directory = copy_of(pristine, tmp_path)
+    flipped(directory / pristine.paths[0].name, pristine.paths[1])
+    fmt = disk_entry.EntryFormat(pristine.model_id, pristine.layout)
+    fds = [os.open(directory / path.name, os.O_RDONLY) for path in pristine.paths]
+    try:
+        files = [fmt.check(fd, key, pristine.n_tokens) for fd, key in zip(fds, pristine.keys)]
+        on_gpu, on_cpu = disk_entry.read_entries(files, "cuda"), disk_entry.read_entries(files, "cpu")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert isinstance(on_gpu[0], disk_entry.UnusableEntryError) and isinstance(on_cpu[0], disk_entry.UnusableEntryError)
+    for name in ("k", "v", "value_norms", "embedding"):
+        assert getattr(on_gpu[1], name).device.type == "cuda"
+        assert torch.equal(getattr(on_gpu[1], name).cpu(), getattr(on_cpu[1], name))
 
 
 # -- the byte budget ------------------------------------------------------------------------------------
