@@ -141,7 +141,8 @@ def test_a_restart_restores_the_images_and_answers_as_the_warm_runtime(pristine,
         assert embedding is not None  # loaded with the entry: the recompute starts from it
         request = runtime.requests.read(pristine.warm)
         (expected,) = runtime.model.encode_images([request.images[0]])
-        assert torch.equal(embedding, expected)
+        # the tower's CPU matmuls may round differently between processes (threading): equal to scale
+        assert float((embedding - expected).norm() / expected.norm()) < 1e-3
         again = runtime.generate(pristine.warm, **ANSWER)  # now in the arena: an ordinary warm hit
         assert (again.stats.image_hits, again.stats.image_disk_hits) == (2, 0)
         assert_same_answer(again, pristine.warm_result)
