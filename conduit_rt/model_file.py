@@ -97,11 +97,15 @@ class GGUFModelFile:
         """The stored type of ``name``: "F32", "F16", "BF16" or "Q8_0"."""
         return self._get(name).tensor_type.name
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A fresh tensor (a copy, never a view of the mapped file), shape ``self.shape(name)``.
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """A fresh tensor (a copy, never a view of the mapped file), shape ``self.shape(name)``; or
+        only its rows [rows[0], rows[1]) and, of a 2-D tensor, its columns [columns[0], columns[1])
+        (the entries of a 1-D tensor are its rows). Only the bytes of that block are copied out of
+        the mapped file, so a block costs its own size in memory, never the whole tensor's.
         ModelFormatError naming the file and the tensor when it holds a NaN or an infinity: no
         healthy checkpoint does, and such a model would only ever answer with non-finite logits."""
-        values = self._decode(self._get(name))
+        values = self._decode(self._get(name), rows, columns)
         if not bool(torch.isfinite(values).all()):
             raise ModelFormatError(f"{self.path}: tensor {name} holds NaN or infinite values: the file is corrupted; "
                                    "convert the checkpoint again")
@@ -117,17 +121,49 @@ class GGUFModelFile:
         except KeyError:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
-    def _decode(self, tensor: GGUFTensorInfo) -> torch.Tensor:
-        """The tensor's values, a fresh CPU tensor of ``tensor.shape`` (float32, float16 or bfloat16)."""
-        raw, shape, kind = self._contents.tensor_bytes(tensor), tensor.shape, tensor.tensor_type
+    def _decode(self, tensor: GGUFTensorInfo, rows: tuple[int, int] | None = None,
+                columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """The values of the tensor's block (see ``tensor``), a fresh CPU tensor (float32, float16
+        or bfloat16). The stored bytes are read as a matrix with one row per leading index (a
+        vector: one row), whose row and column ranges are byte ranges of the mapped file (Q8_0:
+        the 32-value blocks holding the columns, trimmed once dequantized)."""
+        shape, kind = tensor.shape, tensor.tensor_type
+        if kind != GGMLQuantizationType.Q8_0 and kind not in _PLAIN_DTYPES:
+            raise ModelFormatError(f"{self.path}: tensor {tensor.name} has type {kind.name}, which cannot be read")
+        if columns is not None and len(shape) != 2:
+            raise ValueError(f"{self.path}: tensor {tensor.name} is {len(shape)}-D: columns are selected in 2-D ones")
+        if len(shape) <= 1:
+            n_rows, row_range = 1, (0, 1)
+            column_range = _checked_range(rows, math.prod(shape), self.path, tensor.name)
+            block_shape: tuple[int, ...] = (column_range[1] - column_range[0],) if shape else ()
+        else:
+            n_rows, row_range = shape[0], _checked_range(rows, shape[0], self.path, tensor.name)
+            column_range = _checked_range(columns, math.prod(shape[1:]), self.path, tensor.name)
+            inner = shape[1:] if columns is None else (column_range[1] - column_range[0],)
+            block_shape = (row_range[1] - row_range[0], *inner)
+        matrix = self._contents.tensor_bytes(tensor).reshape(n_rows, -1)[row_range[0]: row_range[1]]
+        start, stop = column_range
         if kind == GGMLQuantizationType.Q8_0:
             block_size, type_size = GGML_QUANT_SIZES[kind]
-            rows = raw.reshape(-1, shape[-1] // block_size * type_size) if shape else raw
-            return torch.from_numpy(dequantize(rows, kind).reshape(shape))
-        if kind not in _PLAIN_DTYPES:
-            raise ModelFormatError(f"{self.path}: tensor {tensor.name} has type {kind.name}, which cannot be read")
-        values = torch.from_numpy(raw.view(_PLAIN_DTYPES[kind]).reshape(shape).astype(_PLAIN_DTYPES[kind][1:]))
+            first, last = start // block_size, -(-stop // block_size)
+            quantized = np.ascontiguousarray(matrix[:, first * type_size: last * type_size])
+            values = dequantize(quantized, kind)[:, start - first * block_size: stop - first * block_size]
+            return torch.from_numpy(np.ascontiguousarray(values).reshape(block_shape))
+        element = np.dtype(_PLAIN_DTYPES[kind])
+        block = np.array(matrix[:, start * element.itemsize: stop * element.itemsize])  # the only copy
+        values = torch.from_numpy(block.view(element).astype(element.newbyteorder("="), copy=False))
+        values = values.reshape(block_shape)
         return values.view(torch.bfloat16) if kind == GGMLQuantizationType.BF16 else values
+
+
+def _checked_range(bounds: tuple[int, int] | None, size: int, path: Path, name: str) -> tuple[int, int]:
+    """``bounds`` (start, stop), or the whole (0, ``size``); ValueError unless 0 <= start <= stop <= size."""
+    if bounds is None:
+        return 0, size
+    start, stop = bounds
+    if not 0 <= start <= stop <= size:
+        raise ValueError(f"{path}: tensor {name}: range [{start}, {stop}) is outside [0, {size})")
+    return start, stop
 
 
 class TextModelFile(GGUFModelFile):
@@ -149,12 +185,21 @@ class TextModelFile(GGUFModelFile):
         """Whether the attention projections have biases (``blk.N.attn_*.bias``)."""
         return _ATTN_Q_BIAS in self
 
-    def _decode(self, tensor: GGUFTensorInfo) -> torch.Tensor:
-        # llama.cpp permutes attn_q/attn_k rows for interleaved RoPE; hand out HF's rotate-half order.
-        decoded = super()._decode(tensor)
+    def _decode(self, tensor: GGUFTensorInfo, rows: tuple[int, int] | None = None,
+                columns: tuple[int, int] | None = None) -> torch.Tensor:
+        # llama.cpp permutes attn_q/attn_k rows within each head for interleaved RoPE; hand out HF's
+        # rotate-half order. The permutation never crosses a head, so a block of whole heads is
+        # unpermuted on its own.
+        decoded = super()._decode(tensor, rows, columns)
         if self.config.architecture == names.LLAMA_ARCH and names.is_rope_permuted(tensor.name):
             heads = names.rope_permute_heads(tensor.name, self.config.num_attention_heads, self.config.num_key_value_heads)
-            decoded = names.llama_rope_unpermute(decoded, heads)
+            head_rows = tensor.shape[0] // heads
+            start, stop = rows or (0, tensor.shape[0])
+            if start % head_rows or stop % head_rows:
+                raise ValueError(f"{self.path}: tensor {tensor.name}: rows [{start}, {stop}) split a head of "
+                                 f"{head_rows} rows")
+            if stop > start:
+                decoded = names.llama_rope_unpermute(decoded, (stop - start) // head_rows)
         return decoded
 
 

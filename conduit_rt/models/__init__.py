@@ -1,14 +1,16 @@
 """Model code and the architecture registry.
 
-An architecture is one module with a ``load(text_path, mmproj_path, device, dtype)`` function that
-returns a ``base.VisionLanguageModel``, plus one entry in ``ARCHITECTURES`` keyed by the text file's
-``general.architecture`` (LLaVA-1.5's decoder is a plain "llama"; Qwen2-VL's is "qwen2vl").
+An architecture is one module with a ``load(text_path, mmproj_path, device, dtype, shard=None)``
+function that returns a ``base.VisionLanguageModel``, plus one entry in ``ARCHITECTURES`` keyed by
+the text file's ``general.architecture`` (LLaVA-1.5's decoder is a plain "llama"; Qwen2-VL's is
+"qwen2vl").
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from conduit_rt.gguf_names import TYPE_MMPROJ, Keys
 from conduit_rt.gguf_parser import read_string_keys
 
 from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig, PreparedImage, VisionLanguageModel
+
+if TYPE_CHECKING:
+    from conduit_rt.parallel.sharding import DecoderShard
 
 # text model general.architecture -> module implementing it
 ARCHITECTURES: dict[str, str] = {
@@ -49,11 +54,16 @@ def load_model(
     mmproj_path: str | Path | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    *,
+    shard: DecoderShard | None = None,
 ) -> VisionLanguageModel:
     """Load a converted model (``model.gguf``, and ``mmproj.gguf`` for images) onto ``device``.
 
-    dtype: default float32 on CPU, bfloat16 on CUDA. Raises ``ModelFormatError`` (naming the file
-    and the key or tensor at fault) or ``UnsupportedArchitectureError``.
+    dtype: default float32 on CPU, bfloat16 on CUDA. shard: a tensor-parallel rank's
+    ``parallel.sharding.DecoderShard``: only the rank's share of the decoder is built and read
+    from the file, and the vision weights only on rank 0 (``model.config`` is the share). Raises
+    ``ModelFormatError`` (naming the file and the key or tensor at fault),
+    ``UnsupportedArchitectureError``, or ``TensorParallelError`` for a decoder the shard cannot split.
     """
     arch = text_architecture(text_path)
     module_name = ARCHITECTURES.get(arch)
@@ -61,7 +71,7 @@ def load_model(
         raise UnsupportedArchitectureError(
             f"{text_path}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
-    return importlib.import_module(module_name).load(text_path, mmproj_path, device, dtype)
+    return importlib.import_module(module_name).load(text_path, mmproj_path, device, dtype, shard=shard)
 
 
 __all__ = [

@@ -4,14 +4,17 @@
 embeddings, forward, logits) on top of ``llama.LlamaDecoder``; a subclass adds its vision tower,
 image preprocessing and RoPE positions. The functions below are the loading steps both LLaVA and
 Qwen2-VL take: pick the dtype, open the GGUF files, build the config and assets from the text
-file's keys, and fill the meta-device modules with the files' tensors.
+file's keys, build the modules on the meta device and fill them with the files' tensors. Given a
+tensor-parallel rank's ``DecoderShard`` (``parallel.sharding``), ``build_model`` and
+``assign_decoder`` make and fill the rank's share of the decoder instead of the whole.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -31,6 +34,9 @@ from . import llama
 from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig
 from .rope import RopeConfig
 
+if TYPE_CHECKING:
+    from conduit_rt.parallel.sharding import DecoderShard, TensorPart
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -38,22 +44,35 @@ class ArenaVisionLanguageModel(nn.Module):
     """The decoder half of ``base.VisionLanguageModel``; subclasses supply the vision half.
 
     Built on the meta device (``device``/``dtype`` are placeholders until ``finish_loading``).
+    ``VISION_MODULES`` names the attributes holding the vision tower and projector.
     """
+
+    VISION_MODULES: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, assets: ModelAssets, language_model: llama.LlamaDecoder) -> None:
         super().__init__()
         self.config, self.assets = config, assets
         self.language_model = language_model  # registered first: parameter order is part of random_init's draws
         self.device, self.dtype = torch.device("meta"), torch.float32
-        self.parallel = None  # tensor parallel: this rank's group (``parallel.sharding.shard_model``)
+        self.parallel = None  # tensor parallel: this rank's group (``parallel.sharding.join_group``)
 
     def vision_module(self) -> nn.Module | None:
-        """The vision tower, or None when the model was loaded without its mmproj file."""
+        """The vision tower, or None when the model was loaded without its mmproj file or without
+        its vision weights (``release_vision``)."""
         raise NotImplementedError
 
     @property
     def has_vision(self) -> bool:
-        return self.vision_module() is not None
+        """Whether the model takes images: it was loaded with its mmproj file, whose preprocessing
+        it holds (its tower may be on another rank, ``release_vision``)."""
+        return self.assets.preprocess is not None
+
+    def release_vision(self) -> None:
+        """Drops the vision tower and projector before their weights are loaded. The model still
+        takes images (``prepare_image``, RoPE positions and image keys come from the vision file's
+        keys) but cannot encode them: a tensor-parallel rank other than 0 receives rank 0's features."""
+        for name in self.VISION_MODULES:
+            setattr(self, name, None)
 
     def finish_loading(self, device: torch.device, dtype: torch.dtype) -> None:
         """After the weights are assigned: record where they live, build RoPE tables, stack the
@@ -105,8 +124,14 @@ class ArenaVisionLanguageModel(nn.Module):
         return self.language_model.logits(hidden)
 
     def _require_vision(self) -> None:
+        if not self.has_vision:
+            raise ModelFormatError("this model was loaded without its mmproj file: it cannot take images")
+
+    def _require_tower(self) -> None:
+        self._require_vision()
         if self.vision_module() is None:
-            raise ModelFormatError("this model was loaded without its mmproj file: it cannot encode images")
+            raise RuntimeError("this model holds no vision weights (a tensor-parallel rank other than 0): "
+                               "rank 0 encodes the images")
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -179,12 +204,44 @@ def build_assets(
     )
 
 
+Model = TypeVar("Model", bound=ArenaVisionLanguageModel)
+
+
+def build_model(build: Callable[[ModelConfig], Model], config: ModelConfig, shard: DecoderShard | None) -> Model:
+    """``build(config)`` on the meta device, nothing allocated. With ``shard``, the tensor-parallel
+    rank's model: built from its share of ``config`` and fitted to it (``DecoderShard.fit``: its
+    rows of the LM head, the output biases on rank 0 only, the vision tower on rank 0 only)."""
+    if shard is not None:
+        config = shard.share_config(config)
+    with torch.device("meta"):
+        model = build(config)
+        if shard is not None:
+            shard.fit(model)
+    return model
+
+
+def assign_decoder(
+    model: ArenaVisionLanguageModel, text_file: GGUFModelFile, mapping: dict[str, str], dtype: torch.dtype,
+    device: torch.device, shard: DecoderShard | None,
+) -> None:
+    """Fill ``model.language_model`` from the text file (``mapping`` as ``assign_weights``'s): each
+    tensor whole, or with ``shard`` only the rank's block of each split tensor."""
+    decoder = model.language_model
+    if shard is None:
+        assign_weights(decoder, text_file, mapping, dtype, device)
+    else:
+        assign_weights(decoder, text_file, shard.tensor_map(mapping), dtype, device, shard.parts(decoder))
+
+
 def assign_weights(
-    module: nn.Module, model_file: GGUFModelFile, mapping: dict[str, str], dtype: torch.dtype, device: torch.device
+    module: nn.Module, model_file: GGUFModelFile, mapping: dict[str, str], dtype: torch.dtype, device: torch.device,
+    parts: Mapping[str, TensorPart] | None = None,
 ) -> None:
     """Fill ``module``'s (meta) parameters from the file's tensors, each read once onto ``device``.
 
     mapping: parameter name (as ``named_parameters(remove_duplicate=False)``) -> GGUF tensor name.
+    parts: parameter name -> the block of its tensor it takes (``TensorPart``, read alone from the
+    mapped file); a parameter not named takes the whole tensor.
     """
     expected = dict(module.named_parameters(remove_duplicate=False))
     if set(mapping) != set(expected):
@@ -192,15 +249,21 @@ def assign_weights(
         raise ModelFormatError(
             f"{model_file.path}: tensor map does not match the module (unmapped {missing[:3]}, unknown {extra[:3]})"
         )
-    loaded: dict[str, torch.Tensor] = {}
+    parts = parts or {}
+    loaded: dict[tuple[str, TensorPart | None], torch.Tensor] = {}
     for param, gguf_name in mapping.items():
         if gguf_name not in model_file:
             raise ModelFormatError(f"{model_file.path}: missing tensor {gguf_name}")
-        shape = model_file.shape(gguf_name)
+        part = parts.get(param)
+        shape = model_file.shape(gguf_name) if part is None else part.shape(model_file.shape(gguf_name))
         if shape != tuple(expected[param].shape):
+            what = "has shape" if part is None else f"gives a block {part} of shape"
             raise ModelFormatError(
-                f"{model_file.path}: tensor {gguf_name} has shape {list(shape)}, expected {list(expected[param].shape)}"
+                f"{model_file.path}: tensor {gguf_name} {what} {list(shape)}, expected {list(expected[param].shape)}"
             )
-        if gguf_name not in loaded:  # tied tensors are read once and shared
-            loaded[gguf_name] = model_file.tensor(gguf_name, dtype, device)
-    module.load_state_dict({param: loaded[name] for param, name in mapping.items()}, strict=True, assign=True)
+        key = (gguf_name, part)
+        if key not in loaded:  # tied tensors are read once and shared
+            loaded[key] = (model_file.tensor(gguf_name, dtype, device) if part is None
+                           else part.read(model_file, gguf_name, dtype, device))
+    module.load_state_dict({param: loaded[(name, parts.get(param))] for param, name in mapping.items()},
+                           strict=True, assign=True)

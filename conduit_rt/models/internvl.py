@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,13 +32,18 @@ from conduit_rt.model_config import InternVLVisionConfig, TextModelConfig
 from . import internvit, llama
 from .arena_model import (
     ArenaVisionLanguageModel,
+    assign_decoder,
     assign_weights,
     build_assets,
+    build_model,
     decoder_config,
     open_model_files,
 )
 from .base import ModelAssets, ModelConfig, PreparedImage
 from .rope import RopeConfig
+
+if TYPE_CHECKING:
+    from conduit_rt.parallel.sharding import DecoderShard
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,8 @@ IMAGE_START, IMAGE_END = "<img>", "</img>"  # InternVL's fixed image delimiters 
 
 class InternVLModel(ArenaVisionLanguageModel):
     """A loaded InternVL3 (see ``base.VisionLanguageModel`` for the contract of each method)."""
+
+    VISION_MODULES = ("vision_tower", "multi_modal_projector")
 
     def __init__(self, config: ModelConfig, assets: ModelAssets, vision: InternVLVisionConfig | None) -> None:
         super().__init__(config, assets, llama.LlamaDecoder(config, attention_bias=True, output_bias=False))
@@ -73,7 +81,7 @@ class InternVLModel(ArenaVisionLanguageModel):
     @torch.no_grad()
     def encode_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Tiles [n_tiles, 3, tile, tile] -> projected features [n_tiles, tokens_per_tile, hidden]."""
-        self._require_vision()
+        self._require_tower()
         return self.multi_modal_projector(self.vision_tower(pixel_values.to(self.device, self.dtype)))
 
     def rope_positions(self, prompt: Prompt, images: Sequence[PreparedImage]) -> torch.Tensor:
@@ -111,20 +119,21 @@ def model_assets(text: TextModelConfig, vision: InternVLVisionConfig | None, mmp
 
 
 def load(
-    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None
+    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None,
+    *, shard: DecoderShard | None = None,
 ) -> InternVLModel:
     """Load ``model.gguf`` (+ ``mmproj.gguf``) onto ``device`` in ``dtype`` (default: float32 on CPU,
-    bfloat16 on CUDA). Raises ``ModelFormatError`` naming the file and tensor at fault."""
+    bfloat16 on CUDA); with ``shard``, a tensor-parallel rank's share (``models.load_model``). Raises
+    ``ModelFormatError`` naming the file and tensor at fault."""
     device, dtype, text_file, vision_file = open_model_files(text_path, mmproj_path, device, dtype)
     text, vision = text_file.config, vision_file.config if vision_file else None
     if vision is not None and not isinstance(vision, InternVLVisionConfig):
         raise ModelFormatError(f"{mmproj_path}: projector {vision.projector_type!r} does not belong to an InternVL model")
     assets = model_assets(text, vision, Path(mmproj_path) if mmproj_path is not None else None)
-    with torch.device("meta"):
-        model = InternVLModel(model_config(text, vision), assets, vision)
+    model = build_model(lambda config: InternVLModel(config, assets, vision), model_config(text, vision), shard)
     decoder_map = llama.gguf_tensor_map(text.num_hidden_layers, True, text.tie_word_embeddings, output_bias=False)
-    assign_weights(model.language_model, text_file, decoder_map, dtype, device)
-    if vision_file is not None:
+    assign_decoder(model, text_file, decoder_map, dtype, device, shard)
+    if model.vision_module() is not None:
         assign_weights(model.vision_tower, vision_file, internvit.gguf_tensor_map(vision.num_hidden_layers), dtype, device)
         assign_weights(model.multi_modal_projector, vision_file, internvit.projector_tensor_map(), dtype, device)
     model.finish_loading(device, dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,13 +27,18 @@ from conduit_rt.model_config import TextModelConfig, VisionModelConfig
 from . import clip, llama
 from .arena_model import (
     ArenaVisionLanguageModel,
+    assign_decoder,
     assign_weights,
     build_assets,
+    build_model,
     decoder_config,
     open_model_files,
 )
 from .base import ModelAssets, ModelConfig, PreparedImage
 from .rope import RopeConfig
+
+if TYPE_CHECKING:
+    from conduit_rt.parallel.sharding import DecoderShard
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,8 @@ def projector_tensor_map() -> dict[str, str]:
 
 class LlavaModel(ArenaVisionLanguageModel):
     """A loaded LLaVA-1.5 (see ``base.VisionLanguageModel`` for the contract of each method)."""
+
+    VISION_MODULES = ("vision_tower", "multi_modal_projector")
 
     def __init__(
         self,
@@ -95,7 +103,7 @@ class LlavaModel(ArenaVisionLanguageModel):
     @torch.no_grad()
     def encode_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [n_img, 3, H, W] -> projected features [n_img, tokens_per_image, hidden]."""
-        self._require_vision()
+        self._require_tower()
         features = self.vision_tower(pixel_values.to(self.device, self.dtype))  # [n_img, 1 + patches, v_hidden]
         if self.drop_cls:
             features = features[:, 1:]
@@ -142,19 +150,21 @@ def model_assets(text: TextModelConfig, vision: VisionModelConfig | None, mmproj
 
 
 def load(
-    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None
+    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None,
+    *, shard: DecoderShard | None = None,
 ) -> LlavaModel:
     """Load ``model.gguf`` (+ ``mmproj.gguf``) onto ``device`` in ``dtype`` (default: float32 on CPU,
-    bfloat16 on CUDA). Raises ``ModelFormatError`` naming the file and tensor at fault."""
+    bfloat16 on CUDA); with ``shard``, a tensor-parallel rank's share (``models.load_model``). Raises
+    ``ModelFormatError`` naming the file and tensor at fault."""
     device, dtype, text_file, vision_file = open_model_files(text_path, mmproj_path, device, dtype)
     text, vision = text_file.config, vision_file.config if vision_file else None
     attention_bias = tensor_name(MODEL_TENSOR.ATTN_Q, "bias", 0) in text_file
     assets = model_assets(text, vision, Path(mmproj_path) if mmproj_path is not None else None)
-    with torch.device("meta"):
-        model = LlavaModel(model_config(text, vision), assets, text, vision, attention_bias)
+    model = build_model(lambda config: LlavaModel(config, assets, text, vision, attention_bias),
+                        model_config(text, vision), shard)
     decoder_map = llama.gguf_tensor_map(text.num_hidden_layers, attention_bias, text.tie_word_embeddings)
-    assign_weights(model.language_model, text_file, decoder_map, dtype, device)
-    if vision_file is not None:
+    assign_decoder(model, text_file, decoder_map, dtype, device, shard)
+    if model.vision_module() is not None:
         assign_weights(model.vision_tower, vision_file, clip.gguf_tensor_map(vision.num_hidden_layers), dtype, device)
         assign_weights(model.multi_modal_projector, vision_file, projector_tensor_map(), dtype, device)
     model.finish_loading(device, dtype)

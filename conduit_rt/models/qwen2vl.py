@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,13 +30,18 @@ from conduit_rt.model_config import QwenVisionConfig, TextModelConfig
 from . import llama, qwen2vl_vision
 from .arena_model import (
     ArenaVisionLanguageModel,
+    assign_decoder,
     assign_weights,
     build_assets,
+    build_model,
     decoder_config,
     open_model_files,
 )
 from .base import ModelAssets, ModelConfig, PreparedImage
 from .rope import RopeConfig
+
+if TYPE_CHECKING:
+    from conduit_rt.parallel.sharding import DecoderShard
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,8 @@ def mrope_positions(
 class Qwen2VLModel(ArenaVisionLanguageModel):
     """A loaded Qwen2-VL / Qwen2.5-VL (see ``base.VisionLanguageModel`` for the contract of each method)."""
 
+    VISION_MODULES = ("visual",)
+
     def __init__(self, config: ModelConfig, assets: ModelAssets, vision: QwenVisionConfig | None) -> None:
         super().__init__(config, assets, llama.LlamaDecoder(config, attention_bias=True, output_bias=False))
         self.visual = qwen2vl_vision.QwenVisionTower(vision) if vision else None
@@ -95,7 +103,7 @@ class Qwen2VLModel(ArenaVisionLanguageModel):
     @torch.no_grad()
     def encode_pixels(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """Patches of several images [sum t*h*w, 3*2*p*p] and their grids -> [sum tokens, hidden], image order."""
-        self._require_vision()
+        self._require_tower()
         grids = [tuple(int(v) for v in grid) for grid in grids]
         return self.visual(pixel_values.to(self.device, self.dtype), grids)
 
@@ -130,10 +138,12 @@ def model_assets(text: TextModelConfig, vision: QwenVisionConfig | None, mmproj_
 
 
 def load(
-    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None
+    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None,
+    *, shard: DecoderShard | None = None,
 ) -> Qwen2VLModel:
     """Load ``model.gguf`` (+ ``mmproj.gguf``) onto ``device`` in ``dtype`` (default: float32 on CPU,
-    bfloat16 on CUDA). Raises ``ModelFormatError`` naming the file and tensor at fault."""
+    bfloat16 on CUDA); with ``shard``, a tensor-parallel rank's share (``models.load_model``). Raises
+    ``ModelFormatError`` naming the file and tensor at fault."""
     device, dtype, text_file, vision_file = open_model_files(text_path, mmproj_path, device, dtype)
     text, vision = text_file.config, vision_file.config if vision_file else None
     if vision is not None and not isinstance(vision, QwenVisionConfig):
@@ -141,11 +151,10 @@ def load(
             f"{mmproj_path}: projector {vision.projector_type!r} does not belong to a Qwen2-VL model"
         )
     assets = model_assets(text, vision, Path(mmproj_path) if mmproj_path is not None else None)
-    with torch.device("meta"):
-        model = Qwen2VLModel(model_config(text, vision), assets, vision)
+    model = build_model(lambda config: Qwen2VLModel(config, assets, vision), model_config(text, vision), shard)
     decoder_map = llama.gguf_tensor_map(text.num_hidden_layers, True, text.tie_word_embeddings, output_bias=False)
-    assign_weights(model.language_model, text_file, decoder_map, dtype, device)
-    if vision_file is not None:
+    assign_decoder(model, text_file, decoder_map, dtype, device, shard)
+    if model.vision_module() is not None:
         assign_weights(model.visual, vision_file, qwen2vl_vision.gguf_tensor_map(model.visual), dtype, device)
     model.finish_loading(device, dtype)
     logger.info("loaded %s", model.config)

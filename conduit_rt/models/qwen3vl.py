@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,10 +33,20 @@ from conduit_rt.gguf_names import MODEL_TENSOR, tensor_name
 from conduit_rt.model_config import QwenVisionConfig, TextModelConfig
 
 from . import fused, llama, qwen3vl_vision
-from .arena_model import ArenaVisionLanguageModel, assign_weights, decoder_config, open_model_files
+from .arena_model import (
+    ArenaVisionLanguageModel,
+    assign_decoder,
+    assign_weights,
+    build_model,
+    decoder_config,
+    open_model_files,
+)
 from .base import ForwardBatch, LayerCapture, ModelAssets, ModelConfig
 from .qwen2vl import Qwen2VLModel, model_assets
 from .rope import RopeConfig, head_permutation
+
+if TYPE_CHECKING:
+    from conduit_rt.parallel.sharding import DecoderShard
 
 logger = logging.getLogger(__name__)
 
@@ -165,19 +176,20 @@ def decoder_tensor_map(text: TextModelConfig) -> dict[str, str]:
 
 
 def load(
-    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None
+    text_path: str | Path, mmproj_path: str | Path | None, device: torch.device | str, dtype: torch.dtype | None = None,
+    *, shard: DecoderShard | None = None,
 ) -> Qwen3VLModel:
     """Load ``model.gguf`` (+ ``mmproj.gguf``) onto ``device`` in ``dtype`` (default: float32 on CPU,
-    bfloat16 on CUDA). Raises ``ModelFormatError`` naming the file and tensor at fault."""
+    bfloat16 on CUDA); with ``shard``, a tensor-parallel rank's share (``models.load_model``). Raises
+    ``ModelFormatError`` naming the file and tensor at fault."""
     device, dtype, text_file, vision_file = open_model_files(text_path, mmproj_path, device, dtype)
     text, vision = text_file.config, vision_file.config if vision_file else None
     if vision is not None and not (isinstance(vision, QwenVisionConfig) and vision.is_qwen3):
         raise ModelFormatError(f"{mmproj_path}: projector {vision.projector_type!r} does not belong to a Qwen3-VL model")
     assets = model_assets(text, vision, Path(mmproj_path) if mmproj_path is not None else None)
-    with torch.device("meta"):
-        model = Qwen3VLModel(model_config(text, vision), assets, vision)
-    assign_weights(model.language_model, text_file, decoder_tensor_map(text), dtype, device)
-    if vision_file is not None:
+    model = build_model(lambda config: Qwen3VLModel(config, assets, vision), model_config(text, vision), shard)
+    assign_decoder(model, text_file, decoder_tensor_map(text), dtype, device, shard)
+    if model.vision_module() is not None:
         assign_weights(model.visual, vision_file, qwen3vl_vision.gguf_tensor_map(model.visual), dtype, device)
     model.finish_loading(device, dtype)
     logger.info("loaded %s", model.config)

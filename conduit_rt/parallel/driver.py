@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05       # how often a waiting call checks that every worker is alive
 STOP_GRACE_S = 10.0           # how long close waits for the workers to end before killing them
+# how long a rank's fatal report waits for a peer's exit to show: a rank killed outright closes its
+# sockets (which its peers report at once) a moment before its exit can be seen here
+DEATH_GRACE_S = 1.0
 # refresh policies whose scores are norms of K and V changes over each rank's own KV heads (not
 # summed across ranks): they would select differently on each rank
 UNSPLIT_POLICIES = frozenset({"cacheblend", "conduit_deviation"})
@@ -266,10 +269,10 @@ class _SpawnedRanks:
                     self._check_alive(wait=True)
                     self._lost(rank, "its pipe closed")
                 if kind == "fatal":  # a rank that died first is the cause (its peers see closed sockets)
-                    for other, process in enumerate(self.processes):
-                        if other != rank and process.exitcode is not None:
-                            self._lost(other, f"{self._last_words(other)} (rank {rank} then failed: "
-                                              f"{value.strip().splitlines()[-1]})")
+                    other = self._dead_peer(rank)
+                    if other is not None:
+                        self._lost(other, f"{self._last_words(other)} (rank {rank} then failed: "
+                                          f"{value.strip().splitlines()[-1]})")
                     self._lost(rank, value)
                 return kind, value
             self._check_alive()
@@ -283,6 +286,17 @@ class _SpawnedRanks:
                 process.join(1.0)
             if process.exitcode is not None:
                 self._lost(rank, self._last_words(rank))
+
+    def _dead_peer(self, rank: int) -> int | None:
+        """A rank other than ``rank`` that has exited, waiting up to DEATH_GRACE_S for one to show."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            for other, process in enumerate(self.processes):
+                if other != rank and process.exitcode is not None:
+                    return other
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(WATCH_INTERVAL_S / 5)
 
     def _last_words(self, rank: int) -> str:
         """The fatal error a dead worker sent before exiting, if any."""

@@ -106,7 +106,13 @@ class TensorParallelGroup:
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 
+    def smallest(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (an int), on every rank."""
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.control)
+        return int(box.item())
+
 
 def model_group(model) -> TensorParallelGroup | None:
-    """The group a sharded model's ranks form (``sharding.shard_model``); None for a whole model."""
+    """The group a sharded model's ranks form (``sharding.join_group``); None for a whole model."""
     return getattr(model, "parallel", None)

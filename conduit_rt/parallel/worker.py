@@ -23,7 +23,7 @@ import torch
 from ..errors import ConduitError
 from ..results import GenerationResult
 from .group import TensorParallelGroup
-from .sharding import shard_model
+from .sharding import DecoderShard, join_group
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,20 @@ class Call:
 
 
 def open_runtime(spec: WorkerSpec, group: TensorParallelGroup):
-    """The rank's Runtime: the model loaded on its device, then cut to its share."""
+    """The rank's Runtime over its share of the model, read from the files onto its device (the
+    vision weights on rank 0 only: ``sharding.DecoderShard``). The default arena follows each
+    rank's free GPU memory, which differs (rank 0 holds the vision tower): every rank takes the
+    smallest, so that all arenas have the same blocks and make the same evictions."""
     from ..models import load_model
-    from ..runtime import Runtime
+    from ..runtime import Runtime, _kv_bytes
 
-    model = load_model(spec.model_path, spec.mmproj, group.device, spec.dtype)
-    shard_model(model, group)
-    return Runtime.from_model(model, **spec.runtime_kwargs)
+    model = load_model(spec.model_path, spec.mmproj, group.device, spec.dtype,
+                       shard=DecoderShard(group.rank, group.size))
+    join_group(model, group)
+    kwargs = dict(spec.runtime_kwargs)
+    if kwargs.get("kv_cache_bytes") is None:
+        kwargs["kv_cache_bytes"] = group.smallest(_kv_bytes(model, model.dtype, model.device))
+    return Runtime.from_model(model, **kwargs)
 
 
 class Executor:
