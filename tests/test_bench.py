@@ -1,9 +1,10 @@
 """The benchmark suite's smoke run: ``conduit bench --quick --device cpu`` runs every section on tiny
 shapes and writes a report holding every field. Nothing here is timed as a pass criterion: CPU
 numbers are noise. What is checked by value: the kernels' outputs against a float32 torch
-reference, and each random-weight model's logits (LLaVA, Qwen3-VL, InternVL3) against transformers
-running the same tensors. The full-size family shapes are checked on the meta device against
-transformers' configs and models (no weights drawn).
+reference, and each random-weight model's logits (LLaVA, Qwen3-VL, InternVL3, Qwen2.5-VL) against
+transformers running the same tensors, and each family's vision tower's embeddings against
+transformers' tower on the same pixels and tensors. The full-size family shapes are checked on the
+meta device against transformers' configs and models (no weights drawn).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from conduit_rt.preprocess import to_rgb_array
 KERNEL_RUNS = ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill", "scoring", "topk")
 MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill", "decode",
                "transformers_generate", "long_full", "long_vlcache")
-FAMILY_MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill")
+FAMILY_MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill", "vision",
+                      "transformers_vision")
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +86,32 @@ def test_end_to_end_runs_are_all_reported(report):
 
 
 def test_family_rows_match_transformers(report):
-    """Each family's rows exist with real numbers, and its decoder's logits are transformers' (the
-    Qwen3-VL twin with our M-RoPE positions, DeepStack features and q/k in transformers' order)."""
+    """Each family's rows exist with real numbers, its decoder's logits are transformers' (the
+    Qwen3-VL twin with our M-RoPE positions, DeepStack features and q/k in transformers' order; the
+    Qwen2.5-VL twin with our M-RoPE positions), and so are its vision tower's embeddings (Qwen2.5-VL's
+    tiny tower attends within 4 windows in its first block)."""
     data = report[2]
     sizes, families, memory = data["config"]["families"], data["families"], data["memory"]
     rows = {row["key"]: row for row in data["targets"]}
-    assert list(families) == sizes["shapes"] == ["qwen3-vl-tiny", "internvl3-tiny"]
-    assert [raw["model"]["family"] for raw in families.values()] == ["qwen3vl", "internvl3"]
+    assert list(families) == sizes["shapes"] == ["qwen3-vl-tiny", "internvl3-tiny", "qwen2.5-vl-tiny"]
+    assert [raw["model"]["family"] for raw in families.values()] == ["qwen3vl", "internvl3", "qwen25vl"]
+    # embedding width: Qwen3-VL's merged embedding and 2 DeepStack features, the others' text width
+    widths = {"qwen3vl": 64 * 3, "internvl3": 64, "qwen25vl": 64}
     for name, raw in families.items():
         family = raw["model"]["family"]
-        for key in (f"{family}.ttft.vs_full_prefill", f"{family}.prefill.vs_transformers"):
+        for key in (f"{family}.ttft.vs_full_prefill", f"{family}.prefill.vs_transformers",
+                    f"{family}.vision.vs_transformers"):
             row = rows[key]
             assert row["name"].startswith(f"{name}: ")
             assert row["measured"] > 0 and row["reference"] > 0 and row["ratio"] > 0, key
         assert raw["transformers_prefill"]["logits_rel_err_vs_ours"] < 1e-4  # float32 on the CPU
+        vision = raw["transformers_vision"]
+        assert (vision["images"], vision["tokens"], vision["width"]) == (sizes["n_images"], sizes["n_images"] * 16,
+                                                                         widths[family])
+        # float32 on the CPU; tighter than the logits' bound: with weights of std 0.02 attention moves
+        # the embeddings little (Qwen2.5-VL's tiny tower with full attention in its windowed block
+        # differs from the windowed one by ~1e-4)
+        assert vision["rel_err_vs_ours"] < 1e-5 and vision["max_abs_err_vs_ours"] < 1e-5 * vision["embeddings_max_abs"]
         reuse_runs = raw["reuse"]
         warm = reuse_runs["warm_conduit"]
         assert warm["image_hits"] == sizes["n_images"]
@@ -110,6 +124,13 @@ def test_family_rows_match_transformers(report):
             assert f"{name}/{run}" in memory
 
 
+# the vision_config of Qwen/Qwen2.5-VL-7B-Instruct's config.json
+QWEN25VL_7B_VISION = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}
+
+
 def _visible(config) -> dict:
     """A transformers config's own fields, without the bookkeeping ones."""
     return {key: value for key, value in config.to_dict().items()
@@ -117,9 +138,10 @@ def _visible(config) -> dict:
 
 
 def test_full_family_shapes_are_transformers_models():
-    """The 8B shapes (on the meta device: no weights) have the vision towers transformers' configs
-    default to (Qwen3-VL's, InternViT-300M-448px), exactly the parameters of the transformers models of
-    the hub configs, and the token counts the benchmark states for its images."""
+    """The 7B/8B shapes (on the meta device: no weights) have the vision towers transformers' configs
+    default to (Qwen3-VL's, InternViT-300M-448px) or the hub config gives (Qwen2.5-VL-7B-Instruct's),
+    exactly the parameters of the transformers models of the hub configs, and the token counts the
+    benchmark states for its images."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -136,6 +158,11 @@ def test_full_family_shapes_are_transformers_models():
                          "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                          "tie_word_embeddings": False},
             vision_config={"attention_bias": True}, tie_word_embeddings=False),
+        "qwen2.5-vl-7b": transformers.Qwen2_5_VLConfig(
+            text_config={"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                         "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}},
+            vision_config=QWEN25VL_7B_VISION, tie_word_embeddings=False),
     }
     qwen, intern = family_models.SHAPES["qwen3-vl-8b"], family_models.SHAPES["internvl3-8b"]
     v = qwen.vision
@@ -148,7 +175,14 @@ def test_full_family_shapes_are_transformers_models():
     assert (v.n_layers, v.hidden, v.intermediate, v.n_heads, [v.patch_size] * 2, [intern.tile] * 2) == tuple(
         intern_vision[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                                    "patch_size", "image_size"))
-    tokens_per_image = {"qwen3-vl-8b": 1024, "internvl3-8b": 256}
+    qwen25 = family_models.SHAPES["qwen2.5-vl-7b"]
+    v, hub_vision = qwen25.vision, QWEN25VL_7B_VISION
+    assert (v.n_layers, v.hidden, v.intermediate, v.n_heads, v.patch_size, qwen25.merge_size, qwen25.window_size,
+            list(qwen25.fullatt_block_indexes)) == tuple(
+        hub_vision[k] for k in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
+                                "spatial_merge_size", "window_size", "fullatt_block_indexes"))
+    assert qwen25.rope_sections == (16, 24, 24) and qwen25.text.vocab == 152064
+    tokens_per_image = {"qwen3-vl-8b": 1024, "internvl3-8b": 256, "qwen2.5-vl-7b": 1024}
     for name, hub in hub_configs.items():
         shape = family_models.SHAPES[name]
         ours = meta_model(*shape.configs(name))
@@ -157,6 +191,27 @@ def test_full_family_shapes_are_transformers_models():
         assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters()), name
         image = synthetic.random_images(1, shape.vision.image_side, seed=0)[0]
         assert ours.prepare_image(to_rgb_array(image)).n_tokens == tokens_per_image[name]
+
+
+def _windows(name: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A Qwen2.5-VL shape's attention segments over one benchmark image: (windows, whole image), as
+    [(segments, patches each)] (meta device: no weights)."""
+    import torch
+
+    shape = family_models.SHAPES[name]
+    model = meta_model(*shape.configs(name))
+    image = synthetic.random_images(1, shape.vision.image_side, seed=0)[0]
+    plan = model.visual.plan([model.prepare_image(to_rgb_array(image)).grid_thw], torch.device("cpu"))
+    return [tuple(g.shape) for g in plan.window_groups], [tuple(g.shape) for g in plan.full_groups]
+
+
+def test_qwen25vl_towers_attend_within_windows():
+    """Qwen2.5-VL's towers see the benchmark's images as windows: 896 px in 8 x 8 windows of 112 px
+    (8 x 8 patches); the smoke run's 64 px in 2 x 2 windows of 32 px (4 x 4 patches), so that the
+    tiny twin comparison covers the windowed block (0) and the full one (1)."""
+    assert _windows("qwen2.5-vl-7b") == ([(64, 64)], [(1, 64 * 64)])
+    assert _windows("qwen2.5-vl-tiny") == ([(4, 16)], [(1, 64)])
+    assert family_models.SHAPES["qwen2.5-vl-tiny"].fullatt_block_indexes == (1,)
 
 
 @pytest.fixture(scope="module")

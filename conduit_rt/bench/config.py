@@ -58,7 +58,7 @@ class FamilySizes:
     on each of ``shapes`` (``family_models.SHAPES``: their images' sides and token counts are the
     shapes'), one model at a time."""
 
-    shapes: tuple[str, ...] = ("qwen3-vl-8b", "internvl3-8b")
+    shapes: tuple[str, ...] = ("qwen3-vl-8b", "internvl3-8b", "qwen2.5-vl-7b")
     n_images: int = 8
     prefix_words: int = 16          # as the end-to-end section's requests
     question_words: int = 80
@@ -113,8 +113,8 @@ QUICK_KERNELS = KernelSizes(n_heads=8, n_kv_heads=2, head_dim=64, decode_length=
 QUICK_E2E = E2ESizes(shape="tiny", n_images=3, prefix_words=4, question_words=8, decode_context=96, decode_tokens=4,
                      long_context=192, long_decode_tokens=4, repeats=1, decode_repeats=1,
                      kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
-QUICK_FAMILIES = FamilySizes(shapes=("qwen3-vl-tiny", "internvl3-tiny"), n_images=3, prefix_words=4, question_words=8,
-                             repeats=1, kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
+QUICK_FAMILIES = FamilySizes(shapes=("qwen3-vl-tiny", "internvl3-tiny", "qwen2.5-vl-tiny"), n_images=3, prefix_words=4,
+                             question_words=8, repeats=1, kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20)
 QUICK_SERVE = ServeSizes(clients=(1, 2, 4), scaling_clients=4, requests_per_client=2, max_tokens=4, max_batch=4,
                          kv_cache_bytes=32 << 20, image_cache_bytes=8 << 20, restarts=1)
 

@@ -1,5 +1,6 @@
-"""The families section: the end-to-end reuse and prefill rows on a Qwen3-VL-8B-shaped and an
-InternVL3-8B-shaped model with random weights (``family_models``), beside the LLaVA ones (``e2e``).
+"""The families section: the end-to-end reuse, prefill and vision-tower rows on Qwen3-VL-8B-,
+InternVL3-8B- and Qwen2.5-VL-7B-shaped models with random weights (``family_models``), beside the
+LLaVA ones (``e2e``).
 
 For each shape of ``FamilySizes.shapes``, one at a time: the model is built on the device
 (``workload.build_family``), a Runtime runs over it, and ``e2e.EndToEnd`` measures
@@ -9,13 +10,20 @@ For each shape of ``FamilySizes.shapes``, one at a time: the model is built on t
                         refresh "conduit" at ``refresh`` and with a full prefill, both instrumented
                         (``breakdown.PhaseClock``) too
   transformers_prefill  the family's transformers twin (``twins``: ``Qwen3VLTextModel`` with our
-                        M-RoPE positions and DeepStack features; ``Qwen2ForCausalLM``) on the same
-                        decoder inputs and tensors, and the last-token logits' relative error
+                        M-RoPE positions and DeepStack features; ``Qwen2_5_VLTextModel`` with our
+                        M-RoPE positions; ``Qwen2ForCausalLM``) on the same decoder inputs and
+                        tensors, and the last-token logits' relative error
+  transformers_vision   the vision tower and projector of a cold request, image by image
+                        (``vision_tower``): ours against the family's transformers tower
+                        (``Qwen3VLVisionModel``, ``Qwen2_5_VisionTransformerPretrainedModel``,
+                        ``InternVLModel``'s image features) on the same pixels and tensors, with
+                        the embeddings' errors
 
-Rows, keyed by family (the same at every size): ``{family}.ttft.vs_full_prefill`` and
-``{family}.prefill.vs_transformers`` (``e2e.ttft_row``, ``e2e.transformers_row``). The Runtime is
-closed and the model, its twin and the caches are released before the next shape is built, so one
-GPU holds one ~17 GB model at a time (the end-to-end section closes its own before this one).
+Rows, keyed by family (the same at every size): ``{family}.ttft.vs_full_prefill``,
+``{family}.prefill.vs_transformers`` (``e2e.ttft_row``, ``e2e.transformers_row``) and
+``{family}.vision.vs_transformers`` (``vision_row``). The Runtime is closed and the model, its
+twins and the caches are released before the next shape is built, so one GPU holds one ~17 GB
+model at a time (the end-to-end section closes its own before this one).
 """
 from __future__ import annotations
 
@@ -24,16 +32,22 @@ import logging
 
 import torch
 
-from . import e2e, family_models, workload
+from conduit_rt.preprocess import to_rgb_array
+
+from . import e2e, family_models, twins, workload
 from .config import FamilySizes
 from .stages import run_stages
-from .targets import Target
-from .timing import Timer
+from .targets import Target, at_least
+from .timing import PeakMemory, Timer, Timing
 
 logger = logging.getLogger(__name__)
 
 TWIN_NAMES = {"qwen3vl": "transformers Qwen3VLTextModel (SDPA)",
+              "qwen25vl": "transformers Qwen2_5_VLTextModel (SDPA)",
               "internvl3": "transformers Qwen2ForCausalLM (SDPA)"}
+VISION_TWIN_NAMES = {"qwen3vl": "transformers Qwen3VLVisionModel (SDPA)",
+                     "qwen25vl": "transformers Qwen2_5_VisionTransformerPretrainedModel (SDPA)",
+                     "internvl3": "transformers InternVLModel image features (SDPA)"}
 
 
 def run(sizes: FamilySizes, timer: Timer, dtype: torch.dtype) -> tuple[dict, list[Target], dict, dict[str, str]]:
@@ -70,12 +84,57 @@ def _measure(name: str, sizes: FamilySizes, timer: Timer, dtype: torch.dtype) ->
                          "weight_bytes_per_token": e2e.weight_bytes_per_token(runs.model),
                          "kv_bytes_per_token": e2e.kv_bytes_per_token(runs.model)}}
         stages = [("reuse", runs.reuse),
-                  ("transformers_prefill", lambda: runs.transformers_prefill(shape.twin(runs.model)))]
+                  ("transformers_prefill", lambda: runs.transformers_prefill(shape.twin(runs.model))),
+                  ("transformers_vision", lambda: vision_tower(runs, shape.vision_twin(runs.model)))]
         found, errors = run_stages(section, stages, before_next=runs.runtime.planner.prefix_cache.clear)
         raw.update(found)
         return raw, dict(runs.memory), errors
     finally:
         runs.runtime.close()
+
+
+def vision_tower(runs: e2e.EndToEnd, twin: twins.Encode) -> dict:
+    """Our vision tower and projector against ``twin``'s on the workload's images, one image a call
+    as a cold request encodes them (``request.py``), from the same pixels already on the device
+    (preprocessing excluded): median times of all the images and the errors of their embeddings
+    [visual tokens, embedding width] against ours."""
+    inputs = _vision_inputs(runs)
+    ours, timing = _encode_all(runs, twins.our_encode(runs.model), inputs, "vision")
+    theirs, their_timing = _encode_all(runs, twin, inputs, "transformers_vision")
+    if ours.shape != theirs.shape:
+        raise ValueError(f"the twin's embeddings are {list(theirs.shape)}, ours {list(ours.shape)}")
+    error = ours - theirs
+    return {"images": len(inputs), "tokens": int(ours.shape[0]), "width": int(ours.shape[1]),
+            "seconds": timing.median_s, "time": timing.as_dict(),
+            "transformers_seconds": their_timing.median_s, "transformers_time": their_timing.as_dict(),
+            "embeddings_max_abs": float(theirs.abs().max()), "max_abs_err_vs_ours": float(error.abs().max()),
+            "rel_err_vs_ours": float(error.norm() / theirs.norm())}
+
+
+def _vision_inputs(runs: e2e.EndToEnd) -> list[twins.VisionInputs]:
+    """Each workload image preprocessed by the model, on its device in its dtype."""
+    model, out = runs.model, []
+    for image in runs.images:
+        prepared = model.prepare_image(to_rgb_array(image))
+        grids = (prepared.grid_thw,) if prepared.grid_thw is not None else ()
+        out.append(twins.VisionInputs(prepared.pixel_values.to(runs.device, model.dtype), grids))
+    return out
+
+
+def _encode_all(runs: e2e.EndToEnd, encode: twins.Encode, inputs: list[twins.VisionInputs],
+                label: str) -> tuple[torch.Tensor, Timing]:
+    """``encode`` of every image, one call each: (their embeddings concatenated, float32 [tokens,
+    width]; the median time of all the calls); its peak memory is recorded under ``label``."""
+    calls = [encode(image) for image in inputs]
+
+    def every_image() -> torch.Tensor:
+        return torch.cat([call() for call in calls])
+
+    with torch.no_grad(), PeakMemory(runs.device) as peak:
+        timing = runs.timer.wall_time(every_image, repeat=runs.s.repeats, warmup=1)
+        embeddings = every_image().float()
+    runs.memory[label] = peak.as_dict()
+    return embeddings, timing
 
 
 def _release() -> None:
@@ -86,12 +145,25 @@ def _release() -> None:
 
 
 def shape_rows(raw: dict) -> list[Target]:
-    """The target rows of one shape's runs (none without its reuse runs)."""
-    if "reuse" not in raw:
-        return []
+    """The target rows of one shape's runs (those whose stages ran)."""
     name, family = raw["model"]["shape"], raw["model"]["family"]
-    rows = [e2e.ttft_row(f"{family}.ttft.vs_full_prefill", raw["reuse"], name)]
-    if "transformers_prefill" in raw:
-        rows.append(e2e.transformers_row(f"{family}.prefill.vs_transformers", raw["reuse"],
-                                         raw["transformers_prefill"], name, TWIN_NAMES[family]))
+    rows = []
+    if "reuse" in raw:
+        rows.append(e2e.ttft_row(f"{family}.ttft.vs_full_prefill", raw["reuse"], name))
+        if "transformers_prefill" in raw:
+            rows.append(e2e.transformers_row(f"{family}.prefill.vs_transformers", raw["reuse"],
+                                             raw["transformers_prefill"], name, TWIN_NAMES[family]))
+    if "transformers_vision" in raw:
+        rows.append(vision_row(f"{family}.vision.vs_transformers", raw["transformers_vision"], name,
+                               VISION_TWIN_NAMES[family]))
     return rows
+
+
+def vision_row(key: str, vision: dict, model: str, twin: str) -> Target:
+    """Our vision tower + projector time against ``twin``'s (``vision_tower``), with the embeddings' errors."""
+    return at_least(key, f"{model}: vision tower + projector of {vision['images']} images (cold) vs {twin}, "
+                    "same weights", vision["seconds"] * 1e3, vision["transformers_seconds"] * 1e3, "ms", 1.0,
+                    "transformers time / our time",
+                    f"{vision['tokens']} visual tokens; embeddings max abs err {vision['max_abs_err_vs_ours']:.1e} "
+                    f"(largest value {vision['embeddings_max_abs']:.1e}), rel err {vision['rel_err_vs_ours']:.1e} "
+                    "vs ours", invert=True)

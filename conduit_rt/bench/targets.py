@@ -47,11 +47,30 @@ ROWS: dict[str, str] = {
     "qwen3vl.prefill.vs_transformers": "our full prefill (decoder) of that request against transformers' "
                                        "Qwen3VLTextModel (SDPA) on the same input embeddings, M-RoPE positions, "
                                        "DeepStack features and weight tensors (q/k in transformers' order)",
+    "qwen3vl.vision.vs_transformers": "the Qwen3-VL-8B-shaped vision tower, merger and DeepStack mergers on the "
+                                      "8 images of a cold request, one image a call, against transformers' "
+                                      "Qwen3VLVisionModel (SDPA) on the same pixels and weight tensors; the "
+                                      "embeddings' max abs and relative errors are in the detail",
     "internvl3.ttft.vs_full_prefill": "as ttft.vs_full_prefill on the InternVL3-8B-shaped model: 8 seen images of "
                                       "448 x 448 pixels (one tile each, 256 tokens), refresh conduit at 10%, against "
                                       "our full prefill; the cold TTFTs are in the detail",
     "internvl3.prefill.vs_transformers": "our full prefill (decoder) of that request against transformers' "
                                          "Qwen2ForCausalLM (SDPA) on the same input embeddings and weight tensors",
+    "internvl3.vision.vs_transformers": "the InternVL3-8B-shaped InternViT, pixel shuffle and projector on the 8 "
+                                        "tiles of a cold request, one image a call, against transformers' "
+                                        "InternVLModel image features (SDPA) on the same pixels and weight tensors; "
+                                        "the embeddings' errors are in the detail",
+    "qwen25vl.ttft.vs_full_prefill": "as ttft.vs_full_prefill on the Qwen2.5-VL-7B-shaped model: 8 seen images of "
+                                     "896 x 896 pixels (1024 tokens each, ~8.3K prompt tokens), refresh conduit at "
+                                     "10%, against our full prefill; the cold TTFTs are in the detail",
+    "qwen25vl.prefill.vs_transformers": "our full prefill (decoder) of that request against transformers' "
+                                        "Qwen2_5_VLTextModel (SDPA) on the same input embeddings, M-RoPE positions "
+                                        "and weight tensors",
+    "qwen25vl.vision.vs_transformers": "the Qwen2.5-VL-7B-shaped vision tower (window attention, full attention in "
+                                       "blocks 7/15/23/31) and merger on the 8 images of a cold request, one image a "
+                                       "call, against transformers' Qwen2_5_VisionTransformerPretrainedModel (SDPA) "
+                                       "on the same pixels and weight tensors; the embeddings' errors are in the "
+                                       "detail",
     "serve.throughput": "the server's scheduler driven in-process (no HTTP) by concurrent clients, each request "
                         "showing 2 seen images under a new prefix (refresh conduit at 10%) and generating 128 "
                         "tokens: tokens generated / wall time of the run at 16 clients against 1 client",

@@ -1,14 +1,16 @@
 """Models with random weights, built directly on their device without a file.
 
 For benchmarks that need a model of a real shape (in bf16, LLaVA-1.5-7B: 13.5 GB, Qwen3-VL-8B:
-17.5 GB, InternVL3-8B: 15.9 GB) that no file on disk holds: the modules are built on the meta
-device, as each architecture's ``load`` builds them, and each parameter is then drawn once on the
-target device in the target dtype and assigned (``load_state_dict(assign=True)``), as ``load`` does
-with a file's tensors, so no weight exists twice. ``finish_loading`` then does what it does after a
+17.5 GB, InternVL3-8B: 15.9 GB, Qwen2.5-VL-7B: 16.6 GB) that no file on disk holds: the modules
+are built on the meta device, as each architecture's ``load`` builds them, and each parameter is
+then drawn once on the target device in the target dtype and assigned
+(``load_state_dict(assign=True)``), as ``load`` does with a file's tensors, so no weight exists
+twice. ``finish_loading`` then does what it does after a
 load (RoPE tables, stacked projections; Qwen3-VL's q/k head permutation of the drawn rows).
 
 ``random_model(text, vision, ...)`` picks the architecture from ``text.architecture`` ("llama":
-LLaVA-1.5, "qwen3vl": Qwen3-VL, "qwen2": InternVL3); ``random_llava`` is the LLaVA case.
+LLaVA-1.5, "qwen3vl": Qwen3-VL, "qwen2vl": Qwen2-VL / Qwen2.5-VL, "qwen2": InternVL3);
+``random_llava`` is the LLaVA case.
 
 Initialisation: matrices, embeddings, biases and layer scales ~ N(0, std^2); norm weights
 ~ 1 + N(0, 0.1^2) (so that a swapped or skipped norm changes outputs); never zeros. Parameters are
@@ -22,10 +24,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from conduit_rt.gguf_names import LLAMA_ARCH, QWEN2_ARCH, QWEN3VL_ARCH
+from conduit_rt.gguf_names import LLAMA_ARCH, QWEN2_ARCH, QWEN2VL_ARCH, QWEN3VL_ARCH
 from conduit_rt.model_config import InternVLVisionConfig, QwenVisionConfig, TextModelConfig, VisionModelConfig
 
-from . import internvl, llava, qwen3vl
+from . import internvl, llava, qwen2vl, qwen3vl
 from .arena_model import ArenaVisionLanguageModel, check_dtype
 
 VisionConfig = VisionModelConfig | QwenVisionConfig | InternVLVisionConfig
@@ -45,6 +47,15 @@ def _meta_qwen3vl(text: TextModelConfig, vision: QwenVisionConfig | None) -> qwe
         return qwen3vl.Qwen3VLModel(qwen3vl.model_config(text, vision), assets, vision)
 
 
+def _meta_qwen2vl(text: TextModelConfig, vision: QwenVisionConfig | None) -> qwen2vl.Qwen2VLModel:
+    if vision is not None and (not isinstance(vision, QwenVisionConfig) or vision.is_qwen3):
+        kind = getattr(vision, "projector_type", type(vision).__name__)
+        raise ValueError(f"a Qwen2-VL decoder needs a Qwen2-VL or Qwen2.5-VL vision config, got {kind!r}")
+    assets = qwen2vl.model_assets(text, vision, None)
+    with torch.device("meta"):
+        return qwen2vl.Qwen2VLModel(qwen2vl.model_config(text, vision), assets, vision)
+
+
 def _meta_internvl(text: TextModelConfig, vision: InternVLVisionConfig | None) -> internvl.InternVLModel:
     if vision is not None and not isinstance(vision, InternVLVisionConfig):
         raise ValueError(f"an InternVL decoder needs an InternVL vision config, got {type(vision).__name__}")
@@ -57,6 +68,7 @@ def _meta_internvl(text: TextModelConfig, vision: InternVLVisionConfig | None) -
 _BUILDERS: dict[str, Callable[[TextModelConfig, VisionConfig | None], ArenaVisionLanguageModel]] = {
     LLAMA_ARCH: _meta_llava,
     QWEN3VL_ARCH: _meta_qwen3vl,
+    QWEN2VL_ARCH: _meta_qwen2vl,
     QWEN2_ARCH: _meta_internvl,
 }
 
