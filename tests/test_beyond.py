@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from conduit_rt.models.rope import apply_rope
-from conduit_rt.refresh import POLICIES, ConduitAllQ, ConduitDeviation, ConduitFocus, ConduitRescore
+from conduit_rt.refresh import POLICIES, ConduitAllQ, ConduitDeviation, ConduitFocus, ConduitLocal, ConduitRescore
 from conduit_rt.selection import budget_tokens
 from tests.test_compress import record, reference_keep, runtime  # noqa: F401
 from tests.test_conduit import (NUM_IMAGE_TOKENS, TOLERANCE, RecordingConduit, cold_logits, first_logits,  # noqa: F401
                                 model_dir, new_runtime, picture, reference_scores, reference_selection, snapshot,
                                 warm)
 
-NEW_REFRESH = ["conduit_allq", "conduit_rescore", "conduit_deviation", "conduit_focus"]
+NEW_REFRESH = ["conduit_allq", "conduit_rescore", "conduit_deviation", "conduit_focus", "conduit_local"]
 
 
 def interleaved(pics, question: str) -> list[dict]:
@@ -60,6 +60,12 @@ class RecordingRescore(ConduitRescore):
 
 
 class RecordingFocus(ConduitFocus):
+    def refresh(self, context):
+        self.calls = Recompute(context)
+        return super().refresh(context)
+
+
+class RecordingLocal(ConduitLocal):
     def refresh(self, context):
         self.calls = Recompute(context)
         return super().refresh(context)
@@ -216,16 +222,58 @@ def reference_focus_selection(seen) -> torch.Tensor:
         weighted = weighted + (share * focus[:, None] ** 4).sum(dim=0)
         norms.append(v.flatten(1).norm(dim=1)[tokens.slots])
     score = weighted * torch.stack(norms).mean(dim=0)
+    return top_of_each_image(score, tokens, size_shares(tokens, budget))
+
+
+def size_shares(tokens, budget: int) -> list[int]:
+    """``budget`` split among the images by largest remainder of their sizes (ties: the first image)."""
     sizes = [int((tokens.image == j).sum()) for j in range(tokens.n_images)]
     quotas = [budget * size / sum(sizes) for size in sizes]
     shares = [math.floor(x) for x in quotas]
     for j in sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - shares[i]), i))[:budget - sum(shares)]:
         shares[j] += 1
+    return shares
+
+
+def top_of_each_image(score: torch.Tensor, tokens, shares: list[int]) -> torch.Tensor:
+    """Per image its top ``shares[j]`` tokens by ``score``: sorted indices."""
     chosen = []
     for j, k in enumerate(shares):
         members = torch.nonzero(tokens.image == j).flatten()
         chosen += members[torch.topk(score[members], k).indices].tolist()
     return torch.tensor(sorted(chosen))
+
+
+def per_head_visual_attention(seen, layer: int) -> torch.Tensor:
+    """float64 [H, N]: each head's softmax over every key its query rows see, mean over the rows, at the
+    restored visual tokens."""
+    tokens, positions = seen["tokens"], seen["positions"].long()
+    q_pos = torch.tensor(seen["query_positions"])
+    k = seen["kv"][layer][0].double().cpu()
+    q = seen["q"][layer].double().cpu()
+    keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * seen["scale"]
+    scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).mean(dim=1)[:, tokens.slots]
+
+
+def reference_local_selection(seen) -> torch.Tensor:
+    """conduit_local in float64: over the first ceil(L/2) layers, each head's attention share within
+    each image, weighted by (its share on that image's top B_j)^4, summed, times the mean ||V|| of
+    those layers; per image its top B_j, B split by largest remainder of size."""
+    tokens, budget = seen["tokens"], seen["budget"]
+    shares = size_shares(tokens, budget)
+    layers = range((len(seen["kv"]) + 1) // 2)
+    weighted = torch.zeros(tokens.n, dtype=torch.float64)
+    for layer in layers:
+        attention = per_head_visual_attention(seen, layer)                           # [H, N]
+        for j, k in enumerate(shares):
+            members = torch.nonzero(tokens.image == j).flatten()
+            within = attention[:, members] / attention[:, members].sum(dim=1, keepdim=True)
+            focus = torch.sort(within, dim=1, descending=True).values[:, :k].sum(dim=1)
+            weighted[members] += (within * focus[:, None] ** 4).sum(dim=0)
+    norms = torch.stack([seen["kv"][layer][1].double().cpu().flatten(1).norm(dim=1)[tokens.slots] for layer in layers])
+    return top_of_each_image(weighted * norms.mean(dim=0), tokens, shares)
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.3])
@@ -241,6 +289,24 @@ def test_conduit_focus_equals_a_float64_reference(warm, monkeypatch, ratio):
     per_image = torch.bincount(seen["tokens"].image[selected], minlength=3).tolist()
     assert max(per_image) - min(per_image) <= 1  # three images of one size: the budget split evenly
     expected = reference_focus_selection(seen)
+    if runtime.device.type == "cpu":
+        assert torch.equal(selected, expected)
+    else:
+        assert len(set(selected.tolist()) & set(expected.tolist())) >= 0.9 * budget
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.3])
+def test_conduit_local_equals_a_float64_reference(warm, monkeypatch, ratio):
+    runtime, pics = warm
+    recorder = RecordingLocal()
+    monkeypatch.setitem(POLICIES, "conduit_local", recorder)
+    messages = interleaved([pics[2], pics[0], pics[1]], "Which page is reddest?")
+    stats = runtime.generate(messages, max_tokens=1, refresh="conduit_local", refresh_budget=ratio).stats
+    (seen,), (selected,) = recorder.calls.states, recorder.calls.selected
+    budget = budget_tokens(ratio, 3 * NUM_IMAGE_TOKENS)
+    assert stats.refreshed_tokens == selected.numel() == budget
+    expected = reference_local_selection(seen)
+    assert not torch.equal(expected, reference_focus_selection(seen))  # the two rules choose differently here
     if runtime.device.type == "cpu":
         assert torch.equal(selected, expected)
     else:

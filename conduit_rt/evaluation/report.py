@@ -18,7 +18,7 @@ from . import recall
 
 PLOTTING = {"extra": "eval", "command": "conduit eval", "purpose": "for its plot"}  # what a missing matplotlib says
 REFRESH_ORDER = ("full", "none", "first", "random", "attention", "cacheblend", "conduit", "conduit_allq",
-                 "conduit_rescore", "conduit_deviation", "conduit_focus")
+                 "conduit_rescore", "conduit_deviation", "conduit_focus", "conduit_local")
 COMPRESS_ORDER = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache", "vlcache_all")
 HEADLINE_RATIO = 0.1
 COMPARISONS_NOTE = ("At every budget CONDUIT is set against `attention` and against the most accurate other refresh "

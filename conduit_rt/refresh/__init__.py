@@ -13,7 +13,8 @@ docs/methods.md §1 defines each one; ``conduit`` is the method, the others are 
               counts decaying linearly with mean = budget (its own recompute: ``cacheblend.py``)
   conduit     attention mass x value norm, layer mean, image-level amplification, one global top-k
 
-Beyond the papers (``beyond.py``): conduit_allq, conduit_rescore, conduit_deviation, conduit_focus.
+Beyond the papers (``beyond.py``): conduit_allq, conduit_rescore, conduit_deviation, conduit_focus,
+conduit_local.
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ from .base import (  # noqa: F401
     ScoreSource,
     VisualTokens,
 )
-from .beyond import ConduitAllQ, ConduitDeviation, ConduitFocus, ConduitRescore
+from .beyond import ConduitAllQ, ConduitDeviation, ConduitFocus, ConduitLocal, ConduitRescore
 from .cacheblend import CacheBlend
 from .policies import Attention, Conduit, First, Full, NoRefresh, Random, amplify  # noqa: F401
 
 POLICIES: dict[str, RefreshPolicy] = {p.name: p for p in (Full(), NoRefresh(), First(), Random(), Attention(),
                                                             CacheBlend(), Conduit(), ConduitAllQ(),
-                                                            ConduitRescore(), ConduitDeviation(), ConduitFocus())}
+                                                            ConduitRescore(), ConduitDeviation(), ConduitFocus(),
+                                                            ConduitLocal())}
 
 
 def get_policy(name: str) -> RefreshPolicy:

@@ -11,6 +11,9 @@ point at the wrong tokens; each policy here attacks that under the same budget B
                      token through layer 0
   conduit_focus      attention per head, weighted by how much of its mass the head puts on B tokens,
                      times the value norm; the budget shared among the images by size
+  conduit_local      conduit_focus over the shallower half of the layers, with every head's attention
+                     normalised within each image: which of an image's tokens the question reads,
+                     whether or not the stale keys rank that image first
 """
 from __future__ import annotations
 
@@ -139,14 +142,75 @@ class ConduitFocus(RefreshPolicy):
         raise RuntimeError("conduit_focus scores per head (ConduitFocus.refresh)")
 
 
+class ConduitLocal(RefreshPolicy):
+    """conduit_focus on the shallower half of the layers, with attention normalised within each image
+    (docs/methods.md, "Policies beyond the papers").
+
+    Stale keys mislead the question most about *which image* it asks about (an image computed under
+    another prefix still carries that prefix's membership), much less about which of an image's tokens
+    hold what it asks for (read by the vision tower, right in every layer's K). Normalising each
+    head's attention within each image keeps the second kind of evidence only, and the shallower half
+    of the layers, where a cached key has mixed in least of its old context, gives it most reliably.
+    The budget is shared among the images by size, so every image refreshes the tokens the question
+    would read there, and the candidates of every image get their membership computed afresh.
+    """
+
+    name = "conduit_local"
+    uses_scores = True
+    FOCUS_POWER = ConduitFocus.FOCUS_POWER
+
+    def refresh(self, context: ProbingContext) -> Refreshed:
+        if context.budget == 0:
+            return Refreshed(context.recompute(torch.zeros(0, dtype=torch.long)), 0)
+        image = context.tokens.image.cpu()
+        attention = context.head_attention()                                # [L, H, N]
+        shallow = shallower_half(attention.shape[0])
+        score = self.scores(attention[shallow], context.scores.value_norms()[shallow], image,
+                            image_shares(image, context.budget))
+        return Refreshed(context.recompute(per_image_top_k(score, image, context.budget)), context.budget)
+
+    @classmethod
+    def scores(cls, attention: torch.Tensor, value_norms: torch.Tensor, image: torch.Tensor,
+               shares: list[int]) -> torch.Tensor:
+        """attention [L, H, N], value_norms [L, N] (float32, one device), image int64 [N] (CPU), each
+        image's share of the budget -> float32 [N]: each head's attention share within the token's
+        image, weighted by that head's focus on the image (its share on the image's top ``shares[j]``
+        tokens) ^ FOCUS_POWER, summed over layers and heads, times the layer mean of ||V||."""
+        n_images = len(shares)
+        on_device = image.to(attention.device)
+        mass = torch.zeros(*attention.shape[:2], n_images, device=attention.device).index_add_(2, on_device, attention)
+        within = attention / mass[..., on_device].clamp(min=torch.finfo(torch.float32).tiny)
+        focus = torch.zeros_like(mass)                                                  # [L, H, n_images]
+        for j, k in enumerate(shares):
+            if k:
+                members = torch.nonzero(image == j).flatten().to(attention.device)
+                focus[..., j] = within[..., members].topk(min(k, members.numel()), dim=-1).values.sum(dim=-1)
+        weight = focus[..., on_device] ** cls.FOCUS_POWER
+        return (within * weight).sum(dim=(0, 1)) * value_norms.mean(dim=0)
+
+    def select(self, tokens, budget, scores, options):
+        raise RuntimeError("conduit_local scores per head and image (ConduitLocal.refresh)")
+
+
+def shallower_half(n_layers: int) -> slice:
+    """The first ceil(n / 2) of ``n_layers`` scored layers (in the order ``options.layers`` gives)."""
+    return slice(0, (n_layers + 1) // 2)
+
+
+def image_shares(image: torch.Tensor, budget: int) -> list[int]:
+    """``budget`` shared among the images in proportion to their token counts by largest remainder
+    (``image``: int64 [N], CPU): one count per image."""
+    n_images = int(image.max()) + 1 if image.numel() else 0
+    sizes = torch.bincount(image, minlength=n_images).tolist()
+    return apportion([float(size) for size in sizes], budget, sizes)
+
+
 def per_image_top_k(score: torch.Tensor, image: torch.Tensor, budget: int) -> torch.Tensor:
     """The top tokens of each image by ``score`` (float [N]), ``budget`` shared among the images in
     proportion to their token counts by largest remainder (``image``: int64 [N], CPU): sorted int64
     indices, CPU."""
     image = image.cpu()
-    n_images = int(image.max()) + 1 if image.numel() else 0
-    sizes = torch.bincount(image, minlength=n_images).tolist()
-    shares = apportion([float(size) for size in sizes], budget, sizes)
+    shares = image_shares(image, budget)
     score = score.cpu()
     chosen = []
     for j, k in enumerate(shares):
