@@ -264,6 +264,20 @@ def test_page_renders_again_from_the_json(report, tmp_path):
     assert (tmp_path / "benchmarks.md").read_text() == (out / "benchmarks.md").read_text()
 
 
+def test_page_from_an_older_json_marks_the_rows_it_lacks(report, tmp_path):
+    """A JSON written before a row existed renders with that row failing as not measured, in its place."""
+    _, out, data = report
+    dropped = data["targets"][3]["key"]
+    older = dict(data, targets=[row for row in data["targets"] if row["key"] != dropped])
+    (tmp_path / "benchmarks.json").write_text(json.dumps(older))
+    assert bench_report.main(["--from-json", str(tmp_path / "benchmarks.json"), "--no-plots"]) == 0
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert f"| {dropped}<br><sub>not measured ({bench_report.NOT_IN_RUN})</sub> |" in page
+    assert f"## Targets: {sum(row['passed'] for row in older['targets'])} of {len(ROW_KEYS)} met" in page
+    following = data["targets"][4]["name"]
+    assert page.index(f"| {dropped}<br>") < page.index(f"| {following}")  # in its place, not at the end
+
+
 def test_phase_clock_puts_the_methods_back():
     methods = (reuse.ReusePass, "run"), (reuse.ReusePass, "_forward"), (reuse.ReusePass, "_pass"), \
         (reuse._PassScores, "attention")

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import MissingExtraError
 from ..extras import pyplot
 from .breakdown import PHASES
-from .targets import ROWS, Target
+from .targets import ROWS, Target, with_missing
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +96,9 @@ def _rows_section() -> list[str]:
              "Kernels in bf16 with 32 query heads, 8 KV heads, head dim 128; the end-to-end model is "
              "LLaVA-1.5-7B-shaped (Llama-2-7B decoder, CLIP ViT-L/14-336, 576 tokens per image), and the "
              "families section's are Qwen3-VL-8B-shaped (Qwen3 decoder with interleaved M-RoPE and DeepStack, "
-             "1024 tokens per 1024 x 1024 image) and InternVL3-8B-shaped (Qwen2.5-7B decoder, InternViT-300M, 256 "
-             "tokens per 448 x 448 tile), all with random weights, built on the GPU one at a time.", "",
+             "1024 tokens per 1024 x 1024 image), InternVL3-8B-shaped (Qwen2.5-7B decoder, InternViT-300M, 256 "
+             "tokens per 448 x 448 tile) and Qwen2.5-VL-7B-shaped (Qwen2 decoder with M-RoPE, a window-attention "
+             "tower, 1024 tokens per 896 x 896 image), all with random weights, built on the GPU one at a time.", "",
              "| key | measures |", "| --- | --- |"]
     return lines + [f"| `{key}` | {what} |" for key, what in ROWS.items()]
 
@@ -252,9 +253,13 @@ def plots(plot_dir: Path, result: dict, rows: list[Target]) -> list[Path]:
     return written
 
 
+NOT_IN_RUN = "the run that wrote this JSON had no such row"
+
+
 def rows_of(result: dict) -> list[Target]:
-    """The target rows a result dict holds (``result["targets"]``, as ``write`` stored them)."""
-    return [Target(**row) for row in result["targets"]]
+    """The target rows a result dict holds (``result["targets"]``, as ``write`` stored them), in
+    ``ROW_KEYS`` order, with a failing placeholder for each row of this version the run did not have."""
+    return with_missing([Target(**row) for row in result["targets"]], {}, absent=NOT_IN_RUN)
 
 
 def from_json(json_path: Path, draw: bool = True) -> list[Path]:

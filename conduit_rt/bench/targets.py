@@ -128,10 +128,11 @@ def at_most(key: str, name: str, measured: float, reference: float, unit: str, t
     return Target(key, name, measured, reference, unit, ratio, ratio_is, f"<= {threshold:g}", passed, detail)
 
 
-def with_missing(rows: list[Target], errors: dict[str, str]) -> list[Target]:
-    """``rows`` in ``ROW_KEYS`` order, a failing placeholder for each key no section produced."""
+def with_missing(rows: list[Target], errors: dict[str, str], absent: str = "its section was skipped") -> list[Target]:
+    """``rows`` in ``ROW_KEYS`` order, a failing placeholder for each key no section produced: its
+    detail names the sections' ``errors`` or, with none, ``absent``."""
     by_key = {r.key: r for r in rows}
-    why = "; ".join(f"{section}: {error}" for section, error in errors.items()) or "its section was skipped"
+    why = "; ".join(f"{section}: {error}" for section, error in errors.items()) or absent
     nan = float("nan")
     return [by_key.get(key) or Target(key, key, nan, nan, "", nan, "", "", False, f"not measured ({why})")
             for key in ROW_KEYS] + [r for r in rows if r.key not in ROW_KEYS]
