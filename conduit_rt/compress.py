@@ -11,6 +11,7 @@ and returns, per layer, the sorted slots to keep:
   vlcache       layer budgets from each layer's post-vision attention density, then the tokens the
                 post-vision queries attend to most (text and visual in one ranking); P itself kept
   vlcache_all   vlcache scored with every text token from the first image on; P itself kept (beyond the paper)
+  vlcache_flat  vlcache's token scores with equal layer budgets; P itself kept (beyond the paper)
 
 Budgets: round(α · m · L) tokens in all, apportioned over layers by largest remainder (equal weights
 unless the policy says otherwise). The attention statistics come from the native ``attention_stats``
@@ -244,6 +245,16 @@ class VLCacheAll(VLCache):
         return top_slots(stats.post_vision_mass(layer), k, trailing_run(stats.post_vision))
 
 
+class VLCacheFlat(VLCache):
+    """Beyond the paper: VL-Cache's token scores (the post-vision rows' attention, P kept) with every
+    layer given the same budget. The sparsity rule starves the layers whose post-vision attention is
+    most concentrated, and on the quality model those are the layers the answer reads the asked
+    cells through (docs/methods.md, "vlcache_flat")."""
+
+    name = "vlcache_flat"
+    layer_budgets = CompressionPolicy.layer_budgets
+
+
 def trailing_run(positions: list[int]) -> list[int]:
     """The last run of consecutive positions of a sorted list (the tokens after the last image, when
     ``positions`` are the text tokens from the first image on)."""
@@ -254,7 +265,7 @@ def trailing_run(positions: list[int]) -> list[int]:
 
 
 POLICIES: dict[str, CompressionPolicy] = {p.name: p for p in (KeepAll(), RandomKeep(), StreamingLLM(), H2O(), SnapKV(),
-                                                               PyramidKV(), VLCache(), VLCacheAll())}
+                                                               PyramidKV(), VLCache(), VLCacheAll(), VLCacheFlat())}
 
 
 def get_policy(name: str) -> CompressionPolicy:

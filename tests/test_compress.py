@@ -115,6 +115,9 @@ def reference_keep(rec: Recording) -> list[list[int]]:
             p, _ = probabilities(rec, layer, rec.post_vision)
             kept_rows = rec.post_vision if rec.name == "vlcache" else rec.after_last_image
             out.append(best(p.sum((0, 1)), k, kept_rows))
+        elif rec.name == "vlcache_flat":  # VL-Cache's scores, every layer the same budget
+            p, _ = probabilities(rec, layer, rec.post_vision)
+            out.append(best(p.sum((0, 1)), k, rec.post_vision))
     return out
 
 

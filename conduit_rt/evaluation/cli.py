@@ -35,7 +35,8 @@ DEFAULT_MODEL = BUNDLED_MODEL
 FAMILY_NAMES = tuple(FAMILIES)
 REFRESH_POLICIES = ("full", "none", "first", "random", "attention", "cacheblend", "conduit", "conduit_allq",
                     "conduit_rescore", "conduit_deviation", "conduit_focus", "conduit_local")
-COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache", "vlcache_all")
+COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache", "vlcache_all",
+                     "vlcache_flat")
 GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill for the task to tell policies apart
 
 
