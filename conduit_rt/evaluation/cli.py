@@ -33,10 +33,7 @@ logger = logging.getLogger("conduit_rt.evaluation")
 
 DEFAULT_MODEL = BUNDLED_MODEL
 FAMILY_NAMES = tuple(FAMILIES)
-REFRESH_POLICIES = ("full", "none", "first", "random", "attention", "cacheblend", "conduit", "conduit_allq",
-                    "conduit_rescore", "conduit_deviation", "conduit_focus", "conduit_local")
-COMPRESS_POLICIES = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache", "vlcache_all",
-                     "vlcache_flat")
+REFRESH_POLICIES, COMPRESS_POLICIES = report.REFRESH_ORDER, report.COMPRESS_ORDER  # every registered policy
 GAP_POINTS = 5.0  # `none` must lose at least this many points against full prefill for the task to tell policies apart
 
 

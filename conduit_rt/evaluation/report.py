@@ -13,14 +13,14 @@ import json
 import shutil
 from pathlib import Path
 
+from .. import compress, refresh
 from ..extras import pyplot
 from . import recall
 
 PLOTTING = {"extra": "eval", "command": "conduit eval", "purpose": "for its plot"}  # what a missing matplotlib says
-REFRESH_ORDER = ("full", "none", "first", "random", "attention", "cacheblend", "conduit", "conduit_allq",
-                 "conduit_rescore", "conduit_deviation", "conduit_focus", "conduit_local")
-COMPRESS_ORDER = ("none", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "vlcache", "vlcache_all",
-                  "vlcache_flat")
+# the order of the tables: the policy registries' (the bounds, the baselines, the method, then beyond the papers)
+REFRESH_ORDER = tuple(refresh.POLICIES)
+COMPRESS_ORDER = tuple(compress.POLICIES)
 HEADLINE_RATIO = 0.1
 COMPARISONS_NOTE = ("At every budget CONDUIT is set against `attention` and against the most accurate other refresh "
                     "baseline there, at every keep ratio VL-Cache against the most accurate other compression policy; "
