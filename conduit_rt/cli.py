@@ -220,7 +220,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--cache-dir", default=None, metavar="DIR",
-                       help="keep the image-KV store in DIR, so that it outlives the server")
+                       help="keep the image-KV store in DIR, so that it outlives the server; at start the "
+                       "server loads DIR's most recent entries into memory before it takes requests")
+    serve.add_argument("--no-preload", dest="preload", action="store_false",
+                       help="with --cache-dir: load entries from DIR only when a request needs them")
     serve.add_argument("--max-batch", type=positive_int, default=16,
                        help="most requests decoding together (default: %(default)s)")
     serve.add_argument("--max-queue", type=non_negative_int, default=64,

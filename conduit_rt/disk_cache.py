@@ -169,6 +169,23 @@ class DiskImageStore:
             for *_, file in opened:
                 os.close(file.fd)
 
+    def recent_keys(self, max_bytes: int) -> list[bytes]:
+        """Keys of this model's files, most recently used first, as many as fit in ``max_bytes`` of
+        files (not checked, not touched): what a Runtime started again over the folder loads first
+        (``ImageKVStore.preload``)."""
+        prefix = f"{self.format.model_id[:16]}-"
+        mine = [(path, size, mtime) for path, size, mtime in self._entries() if path.name.startswith(prefix)]
+        keys, total = [], 0
+        for path, size, _ in sorted(mine, key=lambda item: item[2], reverse=True):
+            if total + size > max_bytes:
+                break
+            try:
+                keys.append(bytes.fromhex(path.name[len(prefix):-len(SUFFIX)]))
+            except ValueError:
+                continue  # not a name this store writes: its load would be a miss anyway
+            total += size
+        return keys
+
     def _open(self, key: bytes, n_tokens: int | None) -> tuple[Path, os.stat_result, EntryFile] | None:
         """The file under ``key`` opened and its header checked; None (counted) when there is none
         or it is unusable (then deleted)."""

@@ -14,7 +14,9 @@ one by the encoded file an image came in:
   every entry stored is also written to disk with its norms and embedding, and an entry missing
   from the arena is looked for there: a valid file is loaded into the arena (its embedding into
   the ``EmbeddingCache``) and used as an entry stored in this process would be. The images of one
-  request that are on disk only are read together (``ImageKVStore.preloaded``).
+  request that are on disk only are read together (``ImageKVStore.preloaded``), and a Runtime
+  started again over its folder can load the most recent entries before its first request
+  (``ImageKVStore.preload``).
 """
 from __future__ import annotations
 
@@ -193,6 +195,24 @@ class ImageKVStore:
                 if cached is not None:
                     cached.release()
             self._preloaded.clear()
+
+    def preload(self) -> int:
+        """Loads the disk store's most recently used entries into the arena, as many as the image
+        store's free budget holds, and returns how many it loaded. A Runtime started again over its
+        cache folder calls it before its first request (``Runtime.preload_images``), so that
+        request's images are hits in memory rather than loads from disk on its path. The files are
+        loaded oldest first, so the arena's LRU order is the folder's; unusable files are misses
+        (deleted), as in ``acquire``."""
+        if not self.enabled or self.disk is None:
+            return 0
+        free = self.arena.image_cache_bytes - self.arena.stats().image_bytes
+        keys = [key for key in self.disk.recent_keys(free) if not self.arena.has_image(key)]
+        loaded = 0
+        for _, cached in self._load_many(dict.fromkeys(reversed(keys))):
+            if cached is not None:
+                cached.release()  # the entry stays in the arena, unreferenced, like any stored one
+                loaded += 1
+        return loaded
 
     def store(self, key: bytes, k_pre_rope: list[torch.Tensor], v: list[torch.Tensor]) -> bool:
         """Stores one image: per layer K (before RoPE) and V [n_tokens, n_kv_heads, head_dim]; and

@@ -234,7 +234,10 @@ def test_serve_section_answers_every_request_whole(serve_run):
     assert raw["batch_step"]["batch"] == sizes.scaling_clients and raw["batch_step"]["tokens_per_s"] > 0
     restart = raw["restart"]
     assert restart["in_memory"]["image_hits"] == sizes.n_images and restart["in_memory"]["image_disk_hits"] == 0
-    assert restart["restarted"]["image_disk_hits"] == sizes.n_images  # loaded from the folder, not computed
+    restarted = restart["restarted"]
+    assert restarted["preloaded"] >= sizes.n_images  # loaded from the folder before the request, not computed
+    assert restarted["image_hits"] == sizes.n_images and restarted["image_disk_hits"] == 0
+    assert restart["on_demand"]["image_disk_hits"] == sizes.n_images  # no preload: loaded on the request's path
     assert [r.key for r in rows] == ["serve.throughput", "serve.no_loss", "serve.batch_step.vs_bound",
                                      "serve.restart_ttft"]
     for row in rows:

@@ -150,6 +150,60 @@ def test_a_restart_restores_the_images_and_answers_as_the_warm_runtime(pristine,
     assert (stats.hits, stats.misses, stats.rejected, stats.writes) == (2, 0, 0, 0)
 
 
+def test_a_preload_makes_the_first_request_an_in_memory_hit_with_the_same_answer(pristine, tmp_path):
+    directory = copy_of(pristine, tmp_path)
+    with new_runtime(directory) as runtime:
+        assert runtime.preload_images() == 2
+        assert all(runtime.arena.has_image(key) for key in pristine.keys)
+        for key in pristine.keys:  # the arena holds what the first runtime's arena held
+            got = entry_kv(runtime, key)
+            assert all(torch.equal(a, b) for pair, want in zip(got, pristine.kv[key]) for a, b in zip(pair, want))
+        assert runtime.requests.embeddings.get(pristine.keys[0]) is not None
+        result = runtime.generate(pristine.warm, **ANSWER)
+        assert (result.stats.image_hits, result.stats.image_disk_hits, result.stats.image_misses) == (2, 0, 0)
+        assert_same_answer(result, pristine.warm_result)
+        assert runtime.preload_images() == 0  # everything the folder holds is in memory already
+        stats = runtime.disk_cache_stats()
+    assert (stats.hits, stats.misses, stats.rejected) == (2, 0, 0)
+
+
+def test_a_preload_takes_the_most_recent_files_that_fit_the_image_store(pristine, tmp_path):
+    directory = copy_of(pristine, tmp_path)
+    older, newer = pristine.keys
+    os.utime(pristine_path(directory, pristine, older), ns=(1, 1))  # least recently used
+    size = pristine.paths[0].stat().st_size
+    with new_runtime(directory, image_cache_bytes=size * 3 // 2) as runtime:
+        assert runtime.preload_images() == 1
+        assert runtime.arena.has_image(newer) and not runtime.arena.has_image(older)
+        assert pristine_path(directory, pristine, older).is_file()  # left on disk for a later request
+
+
+def test_a_preload_deletes_an_unusable_file_and_loads_the_rest(pristine, tmp_path):
+    directory = copy_of(pristine, tmp_path)
+    bad, good = (pristine_path(directory, pristine, key) for key in pristine.keys)
+    data = bytearray(bad.read_bytes())
+    data[-100] ^= 0xFF  # inside the last tensor: the checksum fails
+    bad.write_bytes(bytes(data))
+    with new_runtime(directory) as runtime:
+        assert runtime.preload_images() == 1
+        assert not bad.exists() and good.exists()
+        assert not runtime.arena.has_image(pristine.keys[0]) and runtime.arena.has_image(pristine.keys[1])
+        result = runtime.generate(pristine.warm, **ANSWER)
+        assert (result.stats.image_hits, result.stats.image_misses) == (1, 1)
+        assert_same_answer(result, pristine.warm_result)
+        assert runtime.disk_cache_stats().rejected == 1
+
+
+def test_without_a_cache_dir_a_preload_loads_nothing(tmp_path):
+    with new_runtime(None) as runtime:
+        assert runtime.preload_images() == 0
+
+
+def pristine_path(directory: Path, pristine: Pristine, key: bytes) -> Path:
+    """The file of ``key`` in a copy of the pristine folder."""
+    return directory / pristine.paths[pristine.keys.index(key)].name
+
+
 def test_without_a_cache_dir_nothing_is_written_and_a_restart_is_cold(pristine, tmp_path):
     with new_runtime(None) as runtime:
         result = runtime.generate(pristine.warm, **ANSWER)

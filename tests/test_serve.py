@@ -214,26 +214,30 @@ def test_concurrent_clients_decode_together_and_answer_as_serial(server, task_re
 
 
 def test_a_restart_with_the_same_cache_dir_turns_image_misses_into_hits(cache, task_requests, tmp_path):
-    """The first server stores the images' KV under --cache-dir; a new server on that folder restores
-    them from the files for the same request (with a refresh policy: a plain request prefills in
-    full) and answers with the same text."""
+    """The first server stores the images' KV under --cache-dir; a new server on that folder loads
+    them from the files before its first request (in-memory hits), one started with --no-preload
+    loads them on the request's path (disk hits); for the same request (with a refresh policy: a
+    plain request prefills in full) both answer with the first one's text."""
     request = task_requests[3]
     options = {"refresh": "conduit", "refresh_budget": 0.1}
     answers = []
-    for _ in range(2):
-        server = Server(cache, "--cache-dir", str(tmp_path / "image-kv"))
+    for extra in ((), (), ("--no-preload",)):
+        server = Server(cache, "--cache-dir", str(tmp_path / "image-kv"), *extra)
         try:
             reply = server.client().chat.completions.create(model=MODEL, messages=openai_messages(request),
                                                             max_tokens=8, extra_body=options)
         finally:
             server.stop()  # SIGTERM: the Runtime closes and writes the queued entries
         answers.append(reply)
-    first, second = answers
+    first, preloaded, on_demand = answers
     images = len(request.pages)
     assert first.model_extra["conduit"]["image_hits"] == 0 and first.model_extra["conduit"]["image_misses"] == images
-    assert second.model_extra["conduit"]["image_hits"] == images
-    assert second.choices[0].message.content == first.choices[0].message.content
-    assert second.choices[0].message.content.strip() == request.answer
+    assert preloaded.model_extra["conduit"]["image_hits"] == images
+    assert preloaded.model_extra["conduit"]["image_disk_hits"] == 0  # in memory before the request came
+    assert on_demand.model_extra["conduit"]["image_disk_hits"] == images
+    for reply in (preloaded, on_demand):
+        assert reply.choices[0].message.content == first.choices[0].message.content
+    assert first.choices[0].message.content.strip() == request.answer
 
 
 def test_image_from_an_http_url(server, task_requests, tmp_path):

@@ -79,8 +79,9 @@ ROWS: dict[str, str] = {
     "serve.batch_step.vs_bound": "the engine's batched decode step over 16 prefilled requests: tokens/s against "
                                  "16 x copy bandwidth / (decoder weight bytes + the 16 mean contexts' KV bytes)",
     "serve.restart_ttft": "TTFT of a request whose images a Runtime with a cache folder computed before it closed, "
-                          "on a Runtime started again over the folder (images loaded from disk), against the "
-                          "same request on the first Runtime (a warm in-memory hit)",
+                          "on a Runtime started again over the folder that loaded the folder's recent entries "
+                          "before its first request (``Runtime.preload_images``, as conduit serve --cache-dir "
+                          "does), against the same request on the first Runtime (a warm in-memory hit)",
 }
 ROW_KEYS = tuple(ROWS)
 ROW_FIELDS = ("key", "name", "measured", "reference", "unit", "ratio", "ratio_is", "target", "passed", "detail")

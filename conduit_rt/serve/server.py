@@ -51,6 +51,9 @@ def serve(args: argparse.Namespace) -> int:
     from .images import ImageSource
 
     runtime = load_runtime(args)
+    if args.cache_dir is not None and args.preload:
+        loaded = runtime.preload_images()
+        print(f"conduit serve: {loaded} image entries loaded from {args.cache_dir}", file=sys.stderr, flush=True)
     engine = Engine(runtime, max_batch=args.max_batch, max_queue=args.max_queue)
     name = args.model_name or model_id(args.model)
     app = create_app(engine, name, ImageSource(allow_local_files=args.allow_local_files), args.api_key)
