@@ -79,7 +79,7 @@ class ServeSizes:
     max_tokens: int = 128            # tokens generated per request
     n_images: int = 2
     max_batch: int = 64              # requests the engine decodes together
-    kv_cache_bytes: int = 64 << 30
+    kv_cache_bytes: int = 40 << 30   # beside the 7B weights on an 80 GB card; past it requests queue
     image_cache_bytes: int = 4 << 30
     restarts: int = 3                # Runtimes started again over the cache folder (median TTFT)
 
