@@ -169,9 +169,9 @@ def usage(stats: GenerationStats) -> dict:
 def conduit_stats(stats: GenerationStats) -> dict:
     """What the request did beyond OpenAI's usage: the image-KV cache, refresh and compression."""
     return {"ttft_s": stats.ttft_s, "images": stats.images, "image_hits": stats.image_hits,
-            "image_disk_hits": stats.image_disk_hits, "image_misses": stats.image_misses, "visual_tokens": stats.visual_tokens,
-            "refreshed_tokens": stats.refreshed_tokens, "prefill_flops_ratio": stats.prefill_flops_ratio,
-            "kv_bytes": stats.kv_bytes}
+            "image_disk_hits": stats.image_disk_hits, "image_misses": stats.image_misses,
+            "visual_tokens": stats.visual_tokens, "refreshed_tokens": stats.refreshed_tokens,
+            "prefill_flops_ratio": stats.prefill_flops_ratio, "kv_bytes": stats.kv_bytes}
 
 
 def completion_body(request_id: str, model: str, result: GenerationResult) -> dict:
