@@ -35,6 +35,7 @@ from . import native
 from .errors import InvalidArgumentError
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_FORMATS = {"dense": 0, "fp8": 1}  # conduit_kv_format: K and V in the arena dtype, or e4m3 with row scales
 ROPE_TYPES = {"none": 0, "neox": 1, "mrope": 2}
 
 
@@ -121,24 +122,29 @@ class KVArena:
         kv_bytes: bytes of the pool (all of it is allocated now).
         image_cache_bytes: LRU byte budget of the image store, carved from the same pool.
         tuning: launch choices of the CUDA kernels (None: the library's defaults).
+        kv_format: "dense" (K and V stored in ``dtype``) or "fp8" (e4m3 with a power-of-two scale per
+            token and KV head: about half the bytes; every method still takes and returns ``dtype``).
     """
 
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", block_size: int = 16, kv_bytes: int = 64 << 20,
-                 image_cache_bytes: int = 0, tuning: KernelTuning | None = None) -> None:
+                 image_cache_bytes: int = 0, tuning: KernelTuning | None = None, kv_format: str = "dense") -> None:
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"unsupported KV dtype {dtype}; use one of {list(DTYPES)}")
+        if kv_format not in KV_FORMATS:
+            raise InvalidArgumentError(f"unknown kv_format {kv_format!r}; use one of {list(KV_FORMATS)}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(f"unsupported device {self.device}; use cpu or cuda")
-        self.dtype = dtype
+        self.dtype, self.kv_format = dtype, kv_format
         self._ffi, self._lib = native.load()
         params = self._lib.conduit_arena_default_params()
         params.backend = self._lib.CONDUIT_BACKEND_CUDA if self.device.type == "cuda" else self._lib.CONDUIT_BACKEND_CPU
         params.device = self.device.index or 0
         params.dtype = DTYPES[dtype]
+        params.kv_format = KV_FORMATS[kv_format]
         params.n_layers, params.n_kv_heads, params.head_dim = n_layers, n_kv_heads, head_dim
         params.block_size, params.kv_bytes, params.image_cache_bytes = block_size, kv_bytes, image_cache_bytes
         if tuning is not None:

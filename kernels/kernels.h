@@ -10,8 +10,18 @@
 //   V: the same + n_kv_heads * block_size * head_dim
 // with block_elems = 2 * n_kv_heads * block_size * head_dim. A layer's token in slot s lives in
 // block block_table[s / block_size] at offset t = s % block_size.
+//
+// An fp8 pool (LayerView::fp8) stores K and V as e4m3 bytes in the same [head][slot][dim] order, and
+// after them, in the same block, one float32 scale per (head, slot) row of K and then of V:
+//   K: pool + b * block_bytes + (h * block_size + t) * head_dim + i           (1 byte)
+//   V: the same + n_kv_heads * block_size * head_dim
+//   K scale: float at pool + b * block_bytes + 2 * n_kv_heads * block_size * head_dim
+//            + 4 * (h * block_size + t);  V scale: the same + 4 * n_kv_heads * block_size
+// A row's value is byte * scale, the scale a power of two (fp8_row_scale): the dequantized row is
+// exact in bf16 and f16, and quantizing it again gives back the same bytes.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -43,9 +53,15 @@ struct LayerView {
     int32_t n_kv_heads = 0;
     int32_t head_dim = 0;
     int32_t block_size = 0;
-    DType dtype = DType::F32;
+    DType dtype = DType::F32; // of dense K, V, queries and outputs; of the pool too unless fp8
+    bool fp8 = false;         // the pool holds e4m3 K and V with row scales (the layout above)
 
     int64_t block_elems() const { return int64_t(2) * n_kv_heads * block_size * head_dim; }
+    // Bytes of one block of the pool.
+    int64_t block_bytes() const {
+        return fp8 ? block_elems() + 2 * int64_t(n_kv_heads) * block_size * int64_t(sizeof(float))
+                   : block_elems() * int64_t(dtype_size(dtype));
+    }
 };
 
 // One layer of a batch of sequences, as a decode step sees it (conduit_step in conduit.h). Unlike a
@@ -63,6 +79,7 @@ struct BatchView {
     int32_t head_dim = 0;
     int32_t block_size = 0;
     DType dtype = DType::F32;
+    bool fp8 = false; // as LayerView::fp8
 
     // The shape fields as a LayerView (no table, no tokens), for code shared with layer kernels.
     LayerView layout() const {
@@ -72,6 +89,7 @@ struct BatchView {
         v.head_dim = head_dim;
         v.block_size = block_size;
         v.dtype = dtype;
+        v.fp8 = fp8;
         return v;
     }
 };
@@ -117,6 +135,25 @@ CONDUIT_HOST_DEVICE inline uint32_t topk_order_key(float score) {
     if (score != score) return 0xffffffffu; // NaN
     if (bits == 0x80000000u) bits = 0;      // -0.0 -> +0.0
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The largest finite e4m3 value (fp8 KV, the layout at the top of this file).
+constexpr float kFp8Max = 448.0f;
+
+// The scale of an fp8 row whose largest magnitude is amax: the smallest power of two s with
+// amax <= 448 s, so the row's largest element lands in (224, 448] and no element saturates. A power
+// of two loses nothing against amax / 448 (e4m3's relative precision is the same across its normal
+// range) and makes byte * s exact in bf16, f16 and float32. 1 for an all-zero row; NaN when the row
+// holds a NaN or an infinity, so that its dequantized values are NaN and never quietly wrong.
+CONDUIT_HOST_DEVICE inline float fp8_row_scale(float amax) {
+    if (!(amax <= 3.402823466e38f)) return amax - amax; // NaN or +inf: NaN
+    if (amax == 0.0f) return 1.0f;
+    int exponent = 0;
+    frexpf(amax / kFp8Max, &exponent); // amax / 448 < 2^exponent (the division may round down)
+    float s = ldexpf(1.0f, exponent - 1);
+    if (amax > kFp8Max * s) s *= 2.0f;
+    if (amax > kFp8Max * s) s *= 2.0f; // the rounded division was a power of two too low
+    return s;
 }
 
 #define CONDUIT_KERNEL_DECLS                                                                              \

@@ -56,3 +56,19 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos
     row_max = probs.amax(-1, keepdim=True)
     below = (probs < threshold * row_max) & visible
     return probs.sum((0, 1)), below.sum((1, 2)).double()
+
+
+def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
+    """fp8 KV as the arena stores it, dequantized: each row of the last dim scaled by the smallest power
+    of two s with max |row| <= 448 s (1 for a zero row), rounded to e4m3 by torch, times s.
+
+    x: [..., d] of any float dtype (float32 math). Returns float32 of x's shape.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    _, exponent = torch.frexp(amax / 448.0)
+    scale = torch.ldexp(torch.ones_like(amax), exponent - 1)
+    for _ in range(2):  # amax / 448 may round down: take the next power while amax > 448 s
+        scale = torch.where(amax > 448.0 * scale, scale * 2, scale)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return (xf / scale).to(torch.float8_e4m3fn).float() * scale

@@ -10,8 +10,10 @@
 
 namespace conduit::kernels::cpu {
 
-void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
-               void *out, float *lse, const Tuning &, void *) {
+void attention(const LayerView &fp8_or_dense, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+               float scale, void *out, float *lse, const Tuning &, void *) {
+    DenseStaging staging;
+    const LayerView &kv = staging.of(fp8_or_dense);
     const int32_t d = kv.head_dim, hk = kv.n_kv_heads, group = n_heads / hk;
     const int64_t vd = v_delta(kv);
     const float neg_inf = -std::numeric_limits<float>::infinity();

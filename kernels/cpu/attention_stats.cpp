@@ -11,8 +11,10 @@
 
 namespace conduit::kernels::cpu {
 
-void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+void attention_stats(const LayerView &fp8_or_dense, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                      float scale, float threshold, float *mass, float *n_below, float *lse, void *) {
+    DenseStaging staging;
+    const LayerView &kv = staging.of(fp8_or_dense);
     const int32_t d = kv.head_dim, hk = kv.n_kv_heads, group = n_heads / hk;
     const float neg_inf = -std::numeric_limits<float>::infinity();
     // p < threshold * p_max  <=>  score < max_score + log(threshold)
@@ -61,8 +63,10 @@ void attention_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const vo
         for (int32_t h = 0; h < n_heads; ++h) n_below[h] = float(below[size_t(h)]);
 }
 
-void attention_mass(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
+void attention_mass(const LayerView &fp8_or_dense, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos,
                     float scale, const float *lse, float *mass, void *) {
+    DenseStaging staging;
+    const LayerView &kv = staging.of(fp8_or_dense);
     const int32_t d = kv.head_dim, group = n_heads / kv.n_kv_heads;
     std::vector<float> qf(d), krow(d);
     std::vector<double> acc(size_t(kv.n_tokens), 0.0);

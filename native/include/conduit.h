@@ -81,6 +81,14 @@ typedef enum conduit_dtype {
     CONDUIT_DTYPE_BF16 = 2,
 } conduit_dtype;
 
+/* How the pool stores K and V (conduit_arena_params.kv_format). */
+typedef enum conduit_kv_format {
+    CONDUIT_KV_DENSE = 0,    /* elements of the arena dtype */
+    CONDUIT_KV_FP8_E4M3 = 1, /* e4m3 bytes with a float32 scale per (token, KV head) row of K and of V:
+                                about half the bytes of bf16; values are byte * scale (see the block
+                                layout at conduit_arena_params) */
+} conduit_kv_format;
+
 typedef enum conduit_backend {
     CONDUIT_BACKEND_CPU = 0,
     CONDUIT_BACKEND_CUDA = 1,
@@ -159,11 +167,19 @@ typedef struct conduit_tuning {
 /* Block layout, per block and per layer-slot of it: K [n_kv_heads, block_size, head_dim] then V of
  * the same shape, in the arena dtype. One block holds block_size tokens of ONE layer of one
  * sequence or image entry, so a layer's keys of one KV head lie in contiguous runs of
- * block_size * head_dim elements: a decode kernel streams them with 16-byte loads. */
+ * block_size * head_dim elements: a decode kernel streams them with 16-byte loads.
+ *
+ * With kv_format CONDUIT_KV_FP8_E4M3, K and V are e4m3 bytes in the same order, followed in the block
+ * by float32 scales [n_kv_heads, block_size] for K, then for V. A row's scale is the smallest power
+ * of two s with max |row| <= 448 s (NaN for a row holding NaN or inf), so dequantized values are exact
+ * in the arena dtype. Every function keeps its dense arguments in the arena dtype: K and V are
+ * quantized as they are written (after RoPE) and dequantized where they are read; a restore with
+ * RoPE dequantizes, rotates and quantizes again, a copy without RoPE keeps the values exactly. */
 typedef struct conduit_arena_params {
     conduit_backend backend;  /* CPU or CUDA */
     int32_t device;           /* CUDA device ordinal (ignored for CPU) */
-    conduit_dtype dtype;      /* element type of K and V */
+    conduit_dtype dtype;      /* element type of K and V as every function takes and returns them, of
+                                 queries and outputs, and of the pool unless kv_format says otherwise */
     int32_t n_layers;         /* decoder layers, >= 1 */
     int32_t n_kv_heads;       /* KV heads per layer, >= 1 */
     int32_t head_dim;         /* elements per head, a multiple of 8 in [8, 256] */
@@ -171,11 +187,16 @@ typedef struct conduit_arena_params {
     size_t kv_bytes;          /* bytes of the block pool; rounded down to whole blocks, >= 1 block */
     size_t image_cache_bytes; /* LRU budget of the image store (0: no image store) */
     conduit_tuning tuning;    /* CUDA launch choices (all 0: the defaults) */
+    conduit_kv_format kv_format; /* how the pool stores K and V (CONDUIT_KV_DENSE or FP8_E4M3) */
 } conduit_arena_params;
 
 /* Defaults: CPU, device 0, F32, 1 layer, 1 KV head, head_dim 128, block_size 16, kv_bytes 64 MiB,
- * image_cache_bytes 0, tuning all 0. */
+ * image_cache_bytes 0, tuning all 0, kv_format DENSE. */
 CONDUIT_API conduit_arena_params conduit_arena_default_params(void);
+
+/* Bytes of one block of an arena with these params (K, V and, for fp8, their scales); 0 for NULL.
+ * The fields are not checked: use it on params that conduit_arena_create accepts. */
+CONDUIT_API size_t conduit_block_bytes(const conduit_arena_params *params);
 
 /* Creates an arena and allocates its whole pool at once. On success *out owns it; free it with
  * conduit_arena_free. Errors: INVALID_ARGUMENT (a field out of range, tuning's too), UNSUPPORTED (backend not

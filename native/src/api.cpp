@@ -69,13 +69,16 @@ void check_params(const conduit_arena_params &p) {
     const int64_t dtype = enum_value(p.dtype);
     CONDUIT_REQUIRE(dtype == CONDUIT_DTYPE_F32 || dtype == CONDUIT_DTYPE_F16 || dtype == CONDUIT_DTYPE_BF16,
                     "unknown dtype %lld", (long long)dtype);
+    const int64_t format = enum_value(p.kv_format);
+    CONDUIT_REQUIRE(format == CONDUIT_KV_DENSE || format == CONDUIT_KV_FP8_E4M3, "unknown kv_format %lld",
+                    (long long)format);
     CONDUIT_REQUIRE(p.n_layers >= 1 && p.n_layers <= 4096, "n_layers = %d out of range [1, 4096]", p.n_layers);
     CONDUIT_REQUIRE(p.n_kv_heads >= 1 && p.n_kv_heads <= 1024, "n_kv_heads = %d out of range [1, 1024]", p.n_kv_heads);
     CONDUIT_REQUIRE(p.head_dim >= 8 && p.head_dim <= 256 && p.head_dim % 8 == 0,
                     "head_dim = %d must be a multiple of 8 in [8, 256]", p.head_dim);
     CONDUIT_REQUIRE(p.block_size >= 1 && p.block_size <= 256 && (p.block_size & (p.block_size - 1)) == 0,
                     "block_size = %d must be a power of two in [1, 256]", p.block_size);
-    const size_t block_bytes = size_t(2) * p.n_kv_heads * p.block_size * p.head_dim * conduit_dtype_size(p.dtype);
+    const size_t block_bytes = conduit_block_bytes(&p);
     CONDUIT_REQUIRE(p.kv_bytes >= block_bytes, "kv_bytes = %zu is less than one block (%zu bytes)", p.kv_bytes,
                     block_bytes);
     CONDUIT_REQUIRE(p.kv_bytes / block_bytes <= size_t(INT32_MAX), "kv_bytes = %zu gives more than 2^31 blocks",
@@ -129,6 +132,13 @@ size_t conduit_dtype_size(conduit_dtype dtype) {
     case CONDUIT_DTYPE_BF16: return 2;
     default: return 0;
     }
+}
+
+size_t conduit_block_bytes(const conduit_arena_params *params) {
+    if (!params) return 0;
+    const size_t rows = size_t(2) * size_t(params->n_kv_heads) * size_t(params->block_size);
+    if (enum_value(params->kv_format) == CONDUIT_KV_FP8_E4M3) return rows * (size_t(params->head_dim) + sizeof(float));
+    return rows * size_t(params->head_dim) * conduit_dtype_size(params->dtype);
 }
 
 conduit_arena_params conduit_arena_default_params(void) {

@@ -39,9 +39,7 @@ using namespace conduit;
 
 namespace {
 
-size_t compute_block_bytes(const conduit_arena_params &p) {
-    return size_t(2) * p.n_kv_heads * p.block_size * p.head_dim * conduit_dtype_size(p.dtype);
-}
+size_t compute_block_bytes(const conduit_arena_params &p) { return conduit_block_bytes(&p); }
 
 int64_t compute_n_blocks(const conduit_arena_params &p) {
     const size_t bb = compute_block_bytes(p);
@@ -155,6 +153,7 @@ kernels::LayerView conduit_arena::view(LayerTable &table, void *stream) {
     v.head_dim = params.head_dim;
     v.block_size = params.block_size;
     v.dtype = kernels::DType(params.dtype);
+    v.fp8 = params.kv_format == CONDUIT_KV_FP8_E4M3;
     return v;
 }
 

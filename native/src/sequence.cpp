@@ -387,6 +387,7 @@ void seq_restore_images(conduit_seq *seq, int32_t first_layer, int32_t n_layers,
     src.head_dim = arena->params.head_dim;
     src.block_size = bs;
     src.dtype = kernels::DType(arena->params.dtype);
+    src.fp8 = arena->params.kv_format == CONDUIT_KV_FP8_E4M3;
     kernels::LayerView dst = src;
     src.block_table = lists[0];
     dst.block_table = lists[2];

@@ -27,6 +27,7 @@ kernels::BatchView conduit_step::layer_view(int32_t layer) const {
     v.head_dim = p.head_dim;
     v.block_size = p.block_size;
     v.dtype = kernels::DType(p.dtype);
+    v.fp8 = p.kv_format == CONDUIT_KV_FP8_E4M3;
     return v;
 }
 
