@@ -306,12 +306,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return json.loads(saved[8: 8 + length])["t"]["dtype"]
 
 
-def model_fingerprint(model) -> str:
+def model_fingerprint(model, kv_format: str = "dense") -> str:
     """The identity of a model's KV (hex): its class, config, dtype, vision identity, and every
     weight's name, shape, dtype and ``FINGERPRINT_SAMPLES`` evenly strided values. Two models with
     equal fingerprints compute the same KV; a converted file converted again from other weights, or
-    loaded in another dtype, gets another. Reads a few KiB of each weight (one device transfer)."""
+    loaded in another dtype, gets another. ``kv_format``: how the arena stores the KV ("fp8" entries
+    hold e4m3-rounded values, another KV than a dense cache's). Reads a few KiB of each weight (one
+    device transfer)."""
     digest = hashlib.blake2b(digest_size=16)
+    if kv_format != "dense":
+        digest.update(f"kv_format={kv_format};".encode())
     vision_id = getattr(getattr(model, "assets", None), "vision_model_id", "")
     digest.update(repr((type(model).__name__, model.config, str(model.dtype), vision_id)).encode())
     samples = []

@@ -16,13 +16,15 @@ from .validation import flag, integer
 
 
 def check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
-                            cache_dir=None, cache_dir_bytes=DEFAULT_CACHE_DIR_BYTES) -> None:
+                            cache_dir=None, cache_dir_bytes=DEFAULT_CACHE_DIR_BYTES, kv_dtype=None) -> None:
     """The Runtime's arguments, before a model is loaded: ``dtype`` None or a dtype the arena
     stores, ``kv_cache_bytes`` a positive integer (or None for the default), ``image_cache_bytes``
     an integer >= 0 (or None), at most ``kv_cache_bytes``, ``prefix_cache_entries`` an integer
     >= 0, ``cuda_graphs`` a bool, ``cache_dir`` None or a folder this process can write (created
-    if missing), ``cache_dir_bytes`` a positive integer. InvalidArgumentError names the argument at
-    fault."""
+    if missing), ``cache_dir_bytes`` a positive integer, ``kv_dtype`` None or "fp8".
+    InvalidArgumentError names the argument at fault."""
+    if kv_dtype is not None and kv_dtype != "fp8":
+        raise InvalidArgumentError(f"kv_dtype must be None (the KV cache in the runtime's dtype) or 'fp8', got {kv_dtype!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in DTYPES):
         raise InvalidArgumentError(f"dtype must be None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
     if kv_cache_bytes is not None:

@@ -143,6 +143,11 @@ class Runtime:
         cache_dir_bytes: the folder's LRU byte budget (default 4 GiB; the least recently used
             files go first).
         tensor_parallel: split the decoder over this many processes (see "Tensor parallel" below).
+        kv_dtype: None (the KV cache in ``dtype``) or "fp8": K and V stored as e4m3 with a
+            power-of-two scale per token and KV head (``arena.KV_FORMATS``; docs/design-notes.md), about
+            half the bytes of bf16, so the default arena holds twice the tokens. Restores, CONDUIT's
+            scoring, VL-Cache compaction and the image-KV store all work on it; the cache folder keeps
+            its entries apart from those of a dense cache.
         cuda_graphs: on a CUDA device, replay each decode step from a captured CUDA graph
             (``decode_graph.GraphedDecoder``) instead of launching it from Python, and the dense work
             of prefill passes of up to 1024 tokens between their attentions
@@ -179,44 +184,45 @@ class Runtime:
                  dtype: torch.dtype | None = None, kv_cache_bytes: int | None = None,
                  image_cache_bytes: int | None = None, prefix_cache_entries: int = 4, cuda_graphs: bool = True,
                  cache_dir: str | Path | None = None, cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, kv_dtype: str | None = None) -> None:
         from .models import load_model
 
         check_runtime_arguments(dtype, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
-                                cache_dir, cache_dir_bytes)
+                                cache_dir, cache_dir_bytes, kv_dtype)
         self.device = resolve_device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model_path, mmproj = model_files(model_path, mmproj)
         self._attach(load_model(model_path, mmproj, self.device, self.dtype), kv_cache_bytes, image_cache_bytes,
                      prefix_cache_entries, cuda_graphs, source=str(model_path), cache_dir=cache_dir,
-                     cache_dir_bytes=cache_dir_bytes)
+                     cache_dir_bytes=cache_dir_bytes, kv_dtype=kv_dtype)
         logger.info("runtime: %s on %s (%s), KV arena %.1f MiB", model_path.name, self.device, self.dtype,
                     self.arena.kv_bytes / 2**20)
 
     @classmethod
     def from_model(cls, model, kv_cache_bytes: int | None = None, image_cache_bytes: int | None = None,
                    prefix_cache_entries: int = 4, cuda_graphs: bool = True, cache_dir: str | Path | None = None,
-                   cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES) -> "Runtime":
+                   cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES, kv_dtype: str | None = None) -> "Runtime":
         """A Runtime over an already-built model (no files read; benchmarks build one with random
         weights): its device and dtype are the model's; the other arguments are as in ``__init__``."""
         check_runtime_arguments(None, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
-                                cache_dir, cache_dir_bytes)
+                                cache_dir, cache_dir_bytes, kv_dtype)
         runtime = cls.__new__(cls)
         runtime.device, runtime.dtype = model.device, model.dtype
         runtime._attach(model, kv_cache_bytes, image_cache_bytes, prefix_cache_entries, cuda_graphs,
                         source="the model given to Runtime.from_model", cache_dir=cache_dir,
-                        cache_dir_bytes=cache_dir_bytes)
+                        cache_dir_bytes=cache_dir_bytes, kv_dtype=kv_dtype)
         return runtime
 
     def _attach(self, model, kv_cache_bytes: int | None, image_cache_bytes: int | None,
                 prefix_cache_entries: int, cuda_graphs: bool, source: str, cache_dir: str | Path | None = None,
-                cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES) -> None:
+                cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES, kv_dtype: str | None = None) -> None:
         """Takes the model, sizes the KV arena and creates the parts and their caches over it;
         ``source`` names the model in errors."""
         self.model = model
+        kv_format = "fp8" if kv_dtype == "fp8" else "dense"
         kv_bytes = _kv_bytes(model, self.dtype, self.device) if kv_cache_bytes is None else int(kv_cache_bytes)
         image_bytes = kv_bytes // 4 if image_cache_bytes is None else int(image_cache_bytes)
-        self.arena = model.new_arena(kv_bytes, image_cache_bytes=image_bytes)
+        self.arena = model.new_arena(kv_bytes, image_cache_bytes=image_bytes, kv_format=kv_format)
         embeddings = EmbeddingCache(max(image_bytes // 16, 1 << 20))
         disk = None
         if cache_dir is not None and image_bytes == 0:
@@ -224,7 +230,7 @@ class Runtime:
         elif cache_dir is not None:
             c = model.config
             layout = EntryLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.embedding_width, self.dtype)
-            disk = DiskImageStore(cache_dir, cache_dir_bytes, model_fingerprint(model), layout)
+            disk = DiskImageStore(cache_dir, cache_dir_bytes, model_fingerprint(model, kv_format), layout)
         image_kv = ImageKVStore(self.arena, disk, embeddings)
         # pixels of recurring image files; none when image caching is off
         decoded_images = DecodedImages(max(image_bytes // 64, 16 << 20) if image_bytes > 0 else 0)

@@ -82,7 +82,8 @@ class ArenaVisionLanguageModel(nn.Module):
         self.language_model.stack_projections()
         self.eval().requires_grad_(False)
 
-    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16) -> KVArena:
+    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16,
+                  kv_format: str = "dense") -> KVArena:
         c = self.config
         arena = KVArena(
             n_layers=c.n_layers,
@@ -93,6 +94,7 @@ class ArenaVisionLanguageModel(nn.Module):
             block_size=block_size,
             kv_bytes=kv_bytes,
             image_cache_bytes=image_cache_bytes,
+            kv_format=kv_format,
         )
         self.language_model.rotary.configure(arena)
         return arena

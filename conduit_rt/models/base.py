@@ -183,8 +183,10 @@ class VisionLanguageModel(Protocol):
     @property
     def has_vision(self) -> bool: ...
 
-    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16) -> KVArena:
-        """A KV arena shaped for this model, on its device and dtype, with its RoPE set."""
+    def new_arena(self, kv_bytes: int, image_cache_bytes: int = 0, block_size: int = 16,
+                  kv_format: str = "dense") -> KVArena:
+        """A KV arena shaped for this model, on its device and dtype (K and V stored as ``kv_format``
+        says: ``arena.KV_FORMATS``), with its RoPE set."""
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 [n] (model device) -> embeddings [n, hidden], model dtype."""

@@ -22,6 +22,7 @@
 
 #include "attention_kernel.cuh"
 #include "attention_mma.cuh"
+#include "kv_fp8.cuh"
 
 namespace conduit::kernels::cuda {
 namespace {
@@ -234,6 +235,11 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
 void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
                void *out, float *lse, const Tuning &tuning, void *stream) {
     if (n_q <= 0) return;
+    if (kv.fp8) { // the kernels below read dense tiles: run them on a dequantized copy (kv_fp8.cuh)
+        const DenseStaging staged(kv, stream);
+        attention(staged.view(), n_q, n_heads, q, q_pos, scale, out, lse, tuning, stream);
+        return;
+    }
     AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
     p.out = out;
     p.lse = lse;
@@ -272,6 +278,7 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
 }
 
 size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads) {
+    // (an fp8 batch runs on its dense staging copy, whose plan is this one: the plan reads no bytes)
     if (kv.n_seqs <= 0 || kv.n_kv_heads <= 0 || n_heads < kv.n_kv_heads) return 0;
     return batch_workspace_bytes(kv, batch_plan(kv, n_heads), n_heads);
 }
@@ -283,6 +290,13 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
                              void *workspace, size_t workspace_bytes, void *stream, const void *new_k,
                              const void *new_v, const Rope &rope, const int32_t *rope_pos) {
     if (kv.n_seqs <= 0) return;
+    if (kv.fp8) { // the step's rows written into the fp8 pool first, then attention over its dense copy
+        if (new_k) write_last(kv, new_k, new_v, rope, rope_pos, stream);
+        const BatchStaging staged(kv, stream);
+        batch_attention_writing(staged.view(), n_heads, q, scale, out, lse, workspace, workspace_bytes, stream, nullptr,
+                                nullptr, Rope{}, nullptr);
+        return;
+    }
     // A LayerView without tokens: attention_params checks the shape; the lengths come from the device.
     AttentionParams p = attention_params(kv.layout(), kv.n_seqs, n_heads, q, nullptr, scale);
     require(kv.block_tables && kv.n_tokens, "a batch needs its block tables and lengths");

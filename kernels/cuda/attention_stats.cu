@@ -25,6 +25,7 @@
 
 #include "attention_kernel.cuh"
 #include "attention_stats.cuh"
+#include "kv_fp8.cuh"
 
 namespace conduit::kernels::cuda {
 namespace {
@@ -408,6 +409,11 @@ namespace {
 // attention_stats and attention_mass: lse_in given, the score pass is skipped (threshold 0, no counts).
 void run_stats(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
                float threshold, float *mass, float *n_below, float *lse, const float *lse_in, void *stream) {
+    if (kv.fp8) { // the kernels below read dense tiles: run them on a dequantized copy (kv_fp8.cuh)
+        const DenseStaging staged(kv, stream);
+        run_stats(staged.view(), n_q, n_heads, q, q_pos, scale, threshold, mass, n_below, lse, lse_in, stream);
+        return;
+    }
     cudaStream_t s = as_stream(stream);
     if (n_q <= 0) { // no query: zero mass and counts
         if (kv.n_tokens > 0) CUDA_CHECK(cudaMemsetAsync(mass, 0, size_t(kv.n_tokens) * sizeof(float), s));

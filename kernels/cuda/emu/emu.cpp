@@ -446,6 +446,8 @@ cudaError_t cudaMalloc(void **ptr, size_t size) {
     return *ptr ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 cudaError_t cudaFree(void *ptr) { std::free(ptr); return cudaSuccess; }
+cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t) { return cudaMalloc(ptr, size); }
+cudaError_t cudaFreeAsync(void *ptr, cudaStream_t) { return cudaFree(ptr); }
 cudaError_t cudaMallocHost(void **ptr, size_t size) { return cudaMalloc(ptr, size); }
 // Events: every emulated operation completes before its call returns, so an event is always done.
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int) {

@@ -40,6 +40,7 @@ inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); retu
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 using std::max;
 using std::min;
 

@@ -7,7 +7,7 @@ on random inputs, and runs it.
     python3 kernels/cuda/emu/run_emu.py -D CONDUIT_EMU_WGMMA=1   # the many-query attention's Hopper
                                                    # path (wgmma.cuh) on the emulator's model of wgmma
     python3 kernels/cuda/emu/run_emu.py --gpu      # on the real GPU: nvcc and a device
-    python3 kernels/cuda/emu/run_emu.py --grid decode   # one grid alone: stats, split, decode, merge
+    python3 kernels/cuda/emu/run_emu.py --grid decode   # one grid alone: stats, split, decode, merge, fp8
 """
 import argparse
 import os
@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--arch", default="native", help="nvcc -arch for --gpu")
     parser.add_argument("--define", "-D", action="append", default=[], metavar="NAME=VALUE",
                         help="a macro for the build (CONDUIT_EMU_WGMMA=1: the sm_90a path on the emulator)")
-    parser.add_argument("--grid", choices=["stats", "split", "decode", "merge"],
+    parser.add_argument("--grid", choices=["stats", "split", "decode", "merge", "fp8"],
                         help="run one grid of tests alone (default: all of them)")
     args = parser.parse_args()
     defines = [f"-D{d}" for d in args.define]

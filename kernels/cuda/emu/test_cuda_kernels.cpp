@@ -633,6 +633,126 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
     set_block_order(0);
 }
 
+// The fp8 pool (kernels.h): write_dense with and without RoPE, read_dense, copy_paged, attention over
+// the layer and a decode step (write_last, batch_attention) of two sequences, CUDA against the CPU.
+// Without RoPE the pools must hold the same bytes; with it the read-back rows the same values up to
+// the rotation's last bits (a rounding of K to e4m3 may then differ by one step).
+void test_fp8(kc::DType dtype, int hk, int group, int d, int bs, int n, int rope_type) {
+    char name[160];
+    std::snprintf(name, sizeof name, "fp8 %s hk=%d group=%d d=%d bs=%d n=%d rope=%d", dtype_name(dtype), hk, group, d,
+                  bs, n, rope_type);
+    kc::LayerView view;
+    view.n_kv_heads = hk;
+    view.head_dim = d;
+    view.block_size = bs;
+    view.dtype = dtype;
+    view.fp8 = true;
+    view.n_tokens = n;
+    const int n_blocks = (n + bs - 1) / bs, total = 2 * n_blocks + 2; // room for a second sequence's copy
+    Buf<unsigned char> cpu_pool(size_t(total) * size_t(view.block_bytes()), 0), gpu_pool;
+    Buf<int32_t> ids(static_cast<size_t>(total));
+    for (int i = 0; i < total; ++i) ids[size_t(i)] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    Buf<int32_t> table(ids.begin(), ids.begin() + n_blocks), table2(ids.begin() + n_blocks, ids.begin() + 2 * n_blocks);
+    Buf<int32_t> positions;
+    for (int s = 0; s < n; ++s) positions.push_back(s);
+    view.block_table = table.data();
+    view.positions = positions.data();
+    Buf<float> inv_freq;
+    const kc::Rope rope = random_rope(rope_type, d, 1.0f, inv_freq);
+    Buf<int32_t> rope_pos;
+    for (int i = 0; i < 3 * n; ++i) rope_pos.push_back(randint(0, 5000));
+    const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
+    Buf<unsigned char> k = random_dense(dtype, int64_t(n) * hk * d, 4.0f), v = random_dense(dtype, int64_t(n) * hk * d);
+    gpu_pool = cpu_pool;
+    kc::LayerView cpu_view = view, gpu_view = view;
+    cpu_view.pool = cpu_pool.data();
+    gpu_view.pool = gpu_pool.data();
+    kc::cpu::write_dense(cpu_view, kc::Slots{}, n, k.data(), v.data(), rope, rp, nullptr);
+    kc::cuda::write_dense(gpu_view, kc::Slots{}, n, k.data(), v.data(), rope, rp, nullptr);
+    device_sync();
+    if (!rope_type) expect(cpu_pool == gpu_pool, std::string(name) + " write_dense bytes");
+    const size_t dense = size_t(n) * hk * d * kc::dtype_size(dtype);
+    Buf<unsigned char> kc_out(dense), vc_out(dense), kg_out(dense, 1), vg_out(dense, 1);
+    kc::cpu::read_dense(cpu_view, kc_out.data(), vc_out.data(), nullptr);
+    kc::cuda::read_dense(gpu_view, kg_out.data(), vg_out.data(), nullptr);
+    device_sync();
+    int bad = 0;
+    for (size_t i = 0; i < size_t(n) * hk * d; ++i) {
+        const float kc_x = kc::cpu::load(kc_out.data(), int64_t(i), dtype), kg_x = kc::cpu::load(kg_out.data(), int64_t(i), dtype);
+        bad += !close(kg_x, kc_x, 1e-6f, rope_type ? 0.07f : 0.0f);
+    }
+    expect(bad == 0 && vc_out == vg_out, std::string(name) + " read_dense mismatches=" + std::to_string(bad));
+
+    gpu_pool = cpu_pool; // the same bits on both sides from here
+    kc::LayerView cpu_copy = cpu_view, gpu_copy = gpu_view;
+    cpu_copy.block_table = gpu_copy.block_table = table2.data();
+    kc::cpu::copy_paged(cpu_view, kc::Slots{}, cpu_copy, kc::Slots{}, n, kc::Rope{}, nullptr, nullptr);
+    kc::cuda::copy_paged(gpu_view, kc::Slots{}, gpu_copy, kc::Slots{}, n, kc::Rope{}, nullptr, nullptr);
+    device_sync();
+    expect(cpu_pool == gpu_pool, std::string(name) + " copy_paged bytes");
+
+    const int n_heads = hk * group, n_q = randint(1, 20);
+    Buf<unsigned char> q = random_dense(dtype, int64_t(n_q) * n_heads * d, 2.0f);
+    Buf<int32_t> q_pos;
+    for (int i = 0; i < n_q; ++i) q_pos.push_back(randint(0, n));
+    const size_t out_elems = size_t(n_q) * n_heads * d;
+    Buf<unsigned char> out_c(out_elems * kc::dtype_size(dtype)), out_g(out_elems * kc::dtype_size(dtype), 0xff);
+    Buf<float> lse_c(size_t(n_q) * n_heads), lse_g(size_t(n_q) * n_heads, 123.0f);
+    const float scale = 1.0f / std::sqrt(float(d));
+    kc::cpu::attention(cpu_view, n_q, n_heads, q.data(), q_pos.data(), scale, out_c.data(), lse_c.data(), {}, nullptr);
+    kc::cuda::attention(gpu_view, n_q, n_heads, q.data(), q_pos.data(), scale, out_g.data(), lse_g.data(), {}, nullptr);
+    device_sync();
+    bad = 0;
+    for (size_t i = 0; i < out_elems; ++i)
+        bad += !close(kc::cpu::load(out_g.data(), int64_t(i), dtype), kc::cpu::load(out_c.data(), int64_t(i), dtype), 2e-3f,
+                      out_rtol(dtype));
+    for (size_t i = 0; i < lse_c.size(); ++i) bad += !close(lse_g[i], lse_c[i], 1e-4f, 1e-5f);
+    expect(bad == 0, std::string(name) + " attention mismatches=" + std::to_string(bad));
+
+    // A decode step over the layer and its copy, one token appended to each.
+    if (n >= n_blocks * bs) return; // no free slot in the last block
+    Buf<int32_t> tables(table.begin(), table.end());
+    tables.insert(tables.end(), table2.begin(), table2.end());
+    Buf<int32_t> lengths{n + 1, n + 1};
+    kc::BatchView batch;
+    batch.pool = gpu_pool.data();
+    batch.block_tables = tables.data();
+    batch.n_tokens = lengths.data();
+    batch.table_stride = n_blocks;
+    batch.n_seqs = 2;
+    batch.max_tokens = n_blocks * bs;
+    batch.n_kv_heads = hk;
+    batch.head_dim = d;
+    batch.block_size = bs;
+    batch.dtype = dtype;
+    batch.fp8 = true;
+    kc::BatchView cpu_batch = batch;
+    cpu_batch.pool = cpu_pool.data();
+    Buf<unsigned char> k1 = random_dense(dtype, int64_t(2) * hk * d), v1 = random_dense(dtype, int64_t(2) * hk * d);
+    kc::cpu::write_last(cpu_batch, k1.data(), v1.data(), kc::Rope{}, nullptr, nullptr);
+    kc::cuda::write_last(batch, k1.data(), v1.data(), kc::Rope{}, nullptr, nullptr);
+    device_sync();
+    expect(cpu_pool == gpu_pool, std::string(name) + " write_last bytes");
+    Buf<unsigned char> qs = random_dense(dtype, int64_t(2) * n_heads * d, 2.0f);
+    Buf<unsigned char> workspace(kc::cuda::batch_attention_workspace_bytes(batch, n_heads) + 16);
+    Buf<unsigned char> out_step;
+    Buf<float> lse_step;
+    bad = 0;
+    check_batch_attention(cpu_batch, batch, n_heads, qs, workspace, out_step, lse_step, bad);
+    expect(bad == 0, std::string(name) + " batch_attention mismatches=" + std::to_string(bad));
+}
+
+void test_fp8_grid() {
+    const int blocks[] = {1, 4, 16}, groups[] = {1, 2, 3, 7, 8, 12};
+    for (kc::DType t : {kc::DType::F32, kc::DType::F16, kc::DType::BF16})
+        for (int d : {8, 64, 128, 256}) {
+            test_fp8(t, randint(1, 3), groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(1, 70), 0);
+            test_fp8(t, randint(1, 3), groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(1, 70), randint(1, 2));
+        }
+    test_fp8(kc::DType::BF16, 2, 4, 128, 16, 300, 1); // the tensor-core paths over a staged copy
+}
+
 // One workspace for every batch size of a step (sized as step_create does: the largest over 1..
 // max_seqs, zero-filled once), used by batch sizes that change between calls, with the CTAs in a new
 // shuffled order each time (emulator): the counters sit where the partials of no size reach.
@@ -808,11 +928,12 @@ void test_topk_grid() {
 } // namespace
 
 int main(int argc, char **argv) {
-    // One grid alone, by name (for iterating on one kernel): stats, split, decode (the decode and
+    // One grid alone, by name (for iterating on one kernel): stats, split, fp8, decode (the decode and
     // split-merge grids) or merge.
     if (argc > 1) {
         const std::string grid = argv[1];
         if (grid == "stats") test_stats_grid();
+        else if (grid == "fp8") test_fp8_grid();
         else if (grid == "split") test_mma_split_grid();
         else if (grid == "decode") test_decode_grid();
         if (grid == "decode" || grid == "merge") test_split_merge_grid();
@@ -833,6 +954,8 @@ int main(int argc, char **argv) {
                                 false, std::max(n_freq, 1));
         }
     std::printf("copies: %d checks, %d failures\n", checks, failures);
+    test_fp8_grid();
+    std::printf("fp8: %d checks, %d failures\n", checks, failures);
     std::fflush(stdout);
     for (kc::DType t : dtypes)
         for (int d : dims) {
