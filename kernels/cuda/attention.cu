@@ -68,8 +68,9 @@ void launch_mma_attention_and_merge(const AttentionParams &p, DType dtype, int w
 }
 
 // The tensor-core decode kernel (attention_mma_decode.cu) with p's split plan, then the merge.
-void launch_decode_mma_and_merge(const AttentionParams &p, DType dtype, cudaStream_t stream) {
-    launch_decode_mma(p, dtype, stream);
+void launch_decode_mma_and_merge(const AttentionParams &p, DType dtype, cudaStream_t stream, bool fp8 = false) {
+    if (fp8) launch_decode_mma_fp8(p, dtype, stream);
+    else launch_decode_mma(p, dtype, stream);
     dispatch_dtype(dtype, [&](auto tag) { merge_splits<typename decltype(tag)::type>(p, stream); });
 }
 
@@ -215,6 +216,7 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
     p.positions = kv.positions;
     p.block_elems = kv.block_elems();
     p.v_delta = int64_t(kv.n_kv_heads) * kv.block_size * kv.head_dim;
+    p.block_bytes = kv.block_bytes();
     p.n_tokens = kv.n_tokens;
     p.n_kv_heads = kv.n_kv_heads;
     p.head_dim = kv.head_dim;
@@ -235,6 +237,16 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
 void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
                void *out, float *lse, const Tuning &tuning, void *stream) {
     if (n_q <= 0) return;
+    if (kv.fp8 && n_q == 1 && decode_mma_applies(kv.dtype, kv.head_dim, n_heads / kv.n_kv_heads)) {
+        AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
+        p.out = out;
+        p.lse = lse;
+        p.head_tiles = 1;
+        plan_splits(p, kDecodeMmaTileKeys, kMinSplitTokens, decode_mma_resident_ctas(kv.dtype, p.head_dim, p.group));
+        place_stream_partials(p, as_stream(stream), false);
+        launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream), true);
+        return;
+    }
     if (kv.fp8) { // the kernels below read dense tiles: run them on a dequantized copy (kv_fp8.cuh)
         const DenseStaging staged(kv, stream);
         attention(staged.view(), n_q, n_heads, q, q_pos, scale, out, lse, tuning, stream);
@@ -290,12 +302,15 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
                              void *workspace, size_t workspace_bytes, void *stream, const void *new_k,
                              const void *new_v, const Rope &rope, const int32_t *rope_pos) {
     if (kv.n_seqs <= 0) return;
-    if (kv.fp8) { // the step's rows written into the fp8 pool first, then attention over its dense copy
+    if (kv.fp8) { // the step's rows quantized into the pool first; the fp8 decode kernel reads them
         if (new_k) write_last(kv, new_k, new_v, rope, rope_pos, stream);
-        const BatchStaging staged(kv, stream);
-        batch_attention_writing(staged.view(), n_heads, q, scale, out, lse, workspace, workspace_bytes, stream, nullptr,
-                                nullptr, Rope{}, nullptr);
-        return;
+        new_k = new_v = nullptr;
+        if (!decode_mma_applies(kv.dtype, kv.head_dim, n_heads / kv.n_kv_heads)) { // on a dense copy
+            const BatchStaging staged(kv, stream);
+            batch_attention_writing(staged.view(), n_heads, q, scale, out, lse, workspace, workspace_bytes, stream,
+                                    nullptr, nullptr, Rope{}, nullptr);
+            return;
+        }
     }
     // A LayerView without tokens: attention_params checks the shape; the lengths come from the device.
     AttentionParams p = attention_params(kv.layout(), kv.n_seqs, n_heads, q, nullptr, scale);
@@ -324,7 +339,7 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
         if (!tensor_cores) p.split_counters = reinterpret_cast<uint32_t *>(ws);
     }
     if (tensor_cores) {
-        launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream));
+        launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream), kv.fp8);
         return;
     }
     dispatch_dtype(kv.dtype, [&](auto dtype) {

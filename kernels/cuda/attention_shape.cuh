@@ -20,7 +20,8 @@ struct AttentionParams {
                                  // block_table + i * table_stride, and n_tokens is only the capacity
     int64_t table_stride;
     int64_t block_elems;
-    int64_t v_delta; // elements from a K row to its V row
+    int64_t v_delta;     // elements from a K row to its V row
+    int64_t block_bytes; // bytes of one block (read by the fp8 decode kernel: LayerView::block_bytes)
     int32_t n_tokens, n_kv_heads, head_dim, block_shift;
     int32_t n_q, n_heads, group, head_tiles;
     const void *q;          // [n_q, n_heads, head_dim]

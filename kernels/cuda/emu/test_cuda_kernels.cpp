@@ -750,7 +750,11 @@ void test_fp8_grid() {
             test_fp8(t, randint(1, 3), groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(1, 70), 0);
             test_fp8(t, randint(1, 3), groups[randint(0, 5)], d, blocks[randint(0, 2)], randint(1, 70), randint(1, 2));
         }
-    test_fp8(kc::DType::BF16, 2, 4, 128, 16, 300, 1); // the tensor-core paths over a staged copy
+    // The tensor-core paths: many queries over a staged copy; the fp8 decode kernel for the step (and
+    // for one query, when n_q comes out 1), with splits over long sequences.
+    test_fp8(kc::DType::BF16, 2, 4, 128, 16, 300, 1);
+    test_fp8(kc::DType::F16, 1, 7, 64, 16, 1500, 0);
+    test_fp8(kc::DType::BF16, 2, 12, 128, 4, 2047, 0);
 }
 
 // One workspace for every batch size of a step (sized as step_create does: the largest over 1..
