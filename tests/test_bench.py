@@ -25,9 +25,11 @@ from conduit_rt.cli import main
 from conduit_rt.models.random_init import meta_model
 from conduit_rt.preprocess import to_rgb_array
 
-KERNEL_RUNS = ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill", "scoring", "topk")
+DECODE_RUNS = ("decode", "decode_long", "decode_batch")
+FP8_DECODE_RUNS = tuple(f"{name}_fp8" for name in DECODE_RUNS)  # the same problems over an fp8 arena
+KERNEL_RUNS = (*DECODE_RUNS, *FP8_DECODE_RUNS, "compressed", "recompute", "prefill", "scoring", "topk")
 MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill", "decode",
-               "transformers_generate", "long_full", "long_vlcache")
+               "transformers_generate", "long_full", "long_vlcache", "long_fp8")
 FAMILY_MEMORY_RUNS = ("cold_full", "cold_conduit", "warm_conduit", "warm_full", "transformers_prefill", "vision",
                       "transformers_vision")
 
@@ -56,11 +58,16 @@ def test_quick_run_succeeds_with_every_target_row(report):
 def test_kernels_match_a_float32_reference(report):
     kernels = report[2]["kernels"]
     assert set(KERNEL_RUNS) <= set(kernels)
-    for name in ("decode", "decode_long", "decode_batch", "compressed", "recompute", "prefill"):
-        assert kernels[name]["rel_err"] < 1e-4, name  # float32 on the CPU
+    for name in (*DECODE_RUNS, *FP8_DECODE_RUNS, "compressed", "recompute", "prefill"):
+        assert kernels[name]["rel_err"] < 1e-4, name  # float32 on the CPU (fp8: over the K/V the arena holds)
         assert kernels[name]["seconds"] > 0
-    for name in ("decode", "decode_long", "decode_batch", "recompute", "prefill"):
+    for name in (*DECODE_RUNS, *FP8_DECODE_RUNS, "recompute", "prefill"):
         assert any("seconds" in backend for backend in kernels[name]["sdpa"].values()), name
+    for name in FP8_DECODE_RUNS:
+        fp8, dense = kernels[name], kernels[name.removesuffix("_fp8")]
+        assert fp8["kv_format"] == "fp8" and (fp8["length"], fp8["batch"]) == (dense["length"], dense["batch"])
+        assert 0 < fp8["kv_bytes"] < dense["kv_bytes"]  # e4m3 bytes and a float32 scale per row, of float32 K/V
+        assert 1e-3 < fp8["rel_err_vs_unrounded"] < 0.1, name  # the e4m3 rounding shows, and only it
     assert kernels["topk"]["same_indices"]
     assert kernels["scoring"]["selected"] == kernels["scoring"]["budget"] > 0
     assert kernels["scoring"]["mass_rel_err_vs_attention_stats"] < 1e-4  # the lse given vs found again
@@ -81,6 +88,9 @@ def test_end_to_end_runs_are_all_reported(report):
     long = e2e["long"]
     assert 0 < long["vlcache"]["kv_bytes_after_compress"] < long["vlcache"]["kv_bytes_before_compress"]
     assert long["full"]["prompt_tokens"] == report[2]["config"]["e2e"]["long_context"]
+    fp8 = e2e["long_fp8"]  # the same request on an fp8 cache: fewer KV bytes for the same tokens
+    assert fp8["prompt_tokens"] == long["full"]["prompt_tokens"] and fp8["tokens_per_s"] > 0
+    assert 0 < fp8["kv_bytes_end"] < long["full"]["kv_bytes_end"]
     for run in MEMORY_RUNS:
         assert set(memory[run]) >= {"torch_peak_bytes", "arena_bytes", "total_bytes"}
 

@@ -1,5 +1,5 @@
 """Decode speed: our runtime at batch 1 against the bytes-per-token bound and transformers' generate,
-and VL-Cache against the uncompressed cache on a long context.
+and, on a long context, VL-Cache against the uncompressed cache and an fp8 cache against the dense one.
 
 Tokens/s is the runtime's own ``decode_tokens_per_s`` (first token sampled -> last, host clock, one
 host sync per token for sampling: what a caller streaming tokens sees). Transformers' rate is
@@ -82,26 +82,49 @@ def transformers_generate(e2e, twin, messages: list[dict]) -> dict:
             "tokens_per_s": (s.decode_tokens - 1) / seconds}
 
 
-def vlcache(e2e) -> dict:
-    """A ``long_context`` prompt: a system document, the images, a question; 10% kept vs all."""
+def long_request(e2e) -> list[dict]:
+    """The ``long_context``-token prompt: a system document, the images, a question."""
     s = e2e.s
 
-    def long_request(document_words: int) -> list[dict]:
+    def request(document_words: int) -> list[dict]:
         return synthetic.image_request(e2e.images, s.prefix_words, s.question_words, e2e.fillers, 6, document_words)
 
-    messages = long_request(max(0, s.long_context - prompt_tokens(e2e, long_request(0))))
-    out: dict = {"keep": s.keep}
-    for label, kwargs in (("full", {}), ("vlcache", {"compress": "vlcache", "keep": s.keep})):
-        rates, result = [], None
-        for _ in range(s.decode_repeats):
-            result = e2e.request(f"long_{label}", messages, max_tokens=s.long_decode_tokens, **kwargs)
-            rates.append(result.stats.decode_tokens_per_s)
-        st = result.stats
-        out[label] = {"tokens_per_s": sorted(rates)[len(rates) // 2], "samples": rates, "ttft_s": st.ttft_s,
-                      "prompt_tokens": st.prompt_tokens, "kv_bytes_end": st.kv_bytes,
-                      "kv_bytes_before_compress": st.kv_bytes_before_compress,
-                      "kv_bytes_after_compress": st.kv_bytes_after_compress}
+    return request(max(0, s.long_context - prompt_tokens(e2e, request(0))))
+
+
+def long_decode(e2e, label: str, messages: list[dict], **kwargs) -> dict:
+    """``decode_repeats`` requests of ``long_decode_tokens`` tokens (``kwargs`` to generate): the
+    median tokens/s, and the last request's TTFT and KV bytes."""
+    s = e2e.s
+    rates, result = [], None
+    for _ in range(s.decode_repeats):
+        result = e2e.request(label, messages, max_tokens=s.long_decode_tokens, **kwargs)
+        rates.append(result.stats.decode_tokens_per_s)
+    st = result.stats
+    return {"tokens_per_s": sorted(rates)[len(rates) // 2], "samples": rates, "ttft_s": st.ttft_s,
+            "prompt_tokens": st.prompt_tokens, "kv_bytes_end": st.kv_bytes,
+            "kv_bytes_before_compress": st.kv_bytes_before_compress,
+            "kv_bytes_after_compress": st.kv_bytes_after_compress}
+
+
+def vlcache(e2e) -> dict:
+    """The long prompt: 10% kept vs all."""
+    messages = long_request(e2e)
+    out: dict = {"keep": e2e.s.keep}
+    for label, kwargs in (("full", {}), ("vlcache", {"compress": "vlcache", "keep": e2e.s.keep})):
+        out[label] = long_decode(e2e, f"long_{label}", messages, **kwargs)
     return out
+
+
+def fp8_cache(e2e) -> dict:
+    """The long prompt, all kept, on a Runtime with an fp8 KV cache that replaces ``e2e``'s (see
+    ``EndToEnd.replace_runtime``). One untimed request first: the dense Runtime met the prompt's
+    images and context sizes in the stages before (cached image embeddings and KV, captured CUDA
+    graphs), the new one starts empty."""
+    e2e.replace_runtime(kv_dtype="fp8")
+    messages = long_request(e2e)
+    e2e.request("long_fp8", messages, max_tokens=e2e.s.long_decode_tokens)
+    return long_decode(e2e, "long_fp8", messages)
 
 
 def decode_runs(e2e, twin) -> dict:

@@ -18,6 +18,8 @@ random): every run generates the length asked for.
   transformers  ``LlamaForCausalLM`` (SDPA) prefill of the same input embeddings (``twins``); greedy generate
   decode        a text prompt of ``decode_context`` tokens, ``decode_tokens`` generated
   vlcache       a ``long_context`` prompt (document, images, question) with and without VL-Cache
+  long_fp8      that prompt without VL-Cache again on a Runtime with an fp8 KV cache, the last
+                stage: it replaces the dense Runtime (both pools would not fit beside the weights)
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from conduit_rt.runtime import Runtime
 from . import synthetic, twins, workload
 from .breakdown import PhaseClock
 from .config import E2ESizes, FamilySizes
-from .decode import decode_runs, vlcache
+from .decode import decode_runs, fp8_cache, vlcache
 from .stages import run_stages
 from .targets import Target, at_least, at_most
 from .timing import PeakMemory, Timer
@@ -51,10 +53,20 @@ class EndToEnd:
         self.s, self.timer, self.device = sizes, timer, timer.device
         work = work if work is not None else workload.build(sizes, self.device, dtype)
         self.model, self.fillers = work.model, work.fillers
-        self.runtime = Runtime.from_model(work.model, kv_cache_bytes=sizes.kv_cache_bytes,
-                                          image_cache_bytes=sizes.image_cache_bytes)
+        self.runtime = self._new_runtime()
         self.images, self.first, self.second = work.images, work.first, work.second
         self.memory: dict[str, dict] = {}
+
+    def _new_runtime(self, kv_dtype: str | None = None) -> Runtime:
+        return Runtime.from_model(self.model, kv_cache_bytes=self.s.kv_cache_bytes,
+                                  image_cache_bytes=self.s.image_cache_bytes, kv_dtype=kv_dtype)
+
+    def replace_runtime(self, kv_dtype: str | None) -> None:
+        """Closes the Runtime (its KV arena, caches and CUDA graphs), then builds another on the same
+        model with the sizes' caches and KV cache ``kv_dtype``: one pool of ``kv_cache_bytes`` at a
+        time beside the weights."""
+        self.runtime.close()
+        self.runtime = self._new_runtime(kv_dtype)
 
     # -- plumbing -------------------------------------------------------------------------------
     def request(self, label: str, messages: list[dict], **kwargs):
@@ -181,14 +193,16 @@ def run(sizes: E2ESizes, timer: Timer, dtype: torch.dtype, copy_bytes_per_s: flo
     that raises is recorded in the errors and the later stages still run."""
     e2e = EndToEnd(sizes, timer, dtype)
     twin = synthetic.transformers_twin(e2e.model)
-    raw: dict = {"model": {"shape": sizes.shape, "weight_bytes_per_token": weight_bytes_per_token(e2e.model),
+    raw: dict = {"model": {"shape": sizes.shape, "dtype": str(e2e.model.dtype).replace("torch.", ""),
+                           "weight_bytes_per_token": weight_bytes_per_token(e2e.model),
                            "kv_bytes_per_token": kv_bytes_per_token(e2e.model)}}
     stages = [("reuse", e2e.reuse),
               ("transformers_prefill", lambda: e2e.transformers_prefill(twins.causal_lm_prefill(twin))),
               ("scoring_prefill", lambda: e2e.decoder_prefill(scoring_prefill_tokens)),
-              ("decode", lambda: decode_runs(e2e, twin)), ("long", lambda: vlcache(e2e))]
+              ("decode", lambda: decode_runs(e2e, twin)), ("long", lambda: vlcache(e2e)),
+              ("long_fp8", lambda: fp8_cache(e2e))]  # last: it replaces the dense Runtime
     try:
-        found, errors = run_stages("e2e", stages, before_next=e2e.runtime.planner.prefix_cache.clear)
+        found, errors = run_stages("e2e", stages, before_next=lambda: e2e.runtime.planner.prefix_cache.clear())
     finally:
         e2e.runtime.close()  # the arena, caches and CUDA graphs: the next section builds its own model
     raw.update(found)
@@ -214,7 +228,7 @@ def step_bound(copy_bytes_per_s: float, weight_bytes: int, kv_bytes_per_token: i
 def rows(raw: dict) -> list[Target]:
     """The end-to-end target rows whose stages ran."""
     out = []
-    for build in (_reuse_rows, _decode_rows, _long_rows):
+    for build in (_reuse_rows, _decode_rows, _long_rows, _fp8_rows):
         try:
             out += build(raw)
         except KeyError:  # a stage it reads did not run (recorded in the errors)
@@ -282,6 +296,17 @@ def _long_rows(raw: dict) -> list[Target]:
                  "compressed tokens/s / uncompressed"),
         at_most("vlcache.kv_bytes", "VL-Cache: prompt KV bytes kept", vl["kv_bytes_after_compress"] / 2**20,
                 vl["kv_bytes_before_compress"] / 2**20, "MiB", 0.12, "bytes after / before compression"),
+    ]
+
+
+def _fp8_rows(raw: dict) -> list[Target]:
+    full, fp8 = raw["long"]["full"], raw["long_fp8"]
+    return [
+        at_least("long_fp8.vs_bf16", f"decode tokens/s, {fp8['prompt_tokens']}-token context: fp8 KV cache vs "
+                 f"{raw['model']['dtype']} cache", fp8["tokens_per_s"], full["tokens_per_s"], "tok/s", 1.5,
+                 "fp8-cache tokens/s / dense-cache tokens/s",
+                 f"the request's KV at its end: {fp8['kv_bytes_end'] / 2**20:.0f} MiB fp8, "
+                 f"{full['kv_bytes_end'] / 2**20:.0f} MiB dense"),
     ]
 
 

@@ -6,7 +6,11 @@ reference (a wrong kernel fails its rows however fast it is):
 
 - ``decode``: one query per sequence over its n keys, through a ``DecodeStep`` (the kernel the
   runtime's decode runs, one launch for the whole batch; the step's capacity is n); effective
-  bandwidth = K+V bytes / time. SDPA gets the whole batch in one call.
+  bandwidth = K+V bytes / time. SDPA gets the whole batch in one call. With ``kv_format="fp8"``
+  the arena stores K and V as e4m3 with a float32 scale per (token, KV head) row; SDPA still runs
+  on the arena dtype's K and V (what a dense cache would hand it), and our output is checked
+  against the reference over the K and V the arena holds (read back, rounded), the rounding's own
+  error against the unrounded K and V reported beside it.
 - ``compressed``: the same decode over one sequence, then over a random ``keep`` of its slots after
   compaction (VL-Cache's per-layer compaction), with the same step.
 - ``recompute``: CONDUIT's recompute queries, ``refresh`` of the visual tokens plus the last text
@@ -31,6 +35,7 @@ from .targets import Target, at_least, at_most
 from .timing import Timer
 
 BLOCK = 16
+FP8_SCALE_BYTES = 4  # an fp8 arena's float32 scale per (token, KV head) row, after the row's e4m3 bytes
 
 
 class KernelBench:
@@ -46,14 +51,17 @@ class KernelBench:
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=self.dtype, device=self.device, generator=self.generator)
 
-    def token_bytes(self, n_layers: int = 1) -> int:
-        """K + V bytes of one token over ``n_layers`` layers."""
-        return 2 * self.s.n_kv_heads * self.s.head_dim * self.elem * n_layers
+    def token_bytes(self, n_layers: int = 1, kv_format: str = "dense") -> int:
+        """K + V bytes of one token over ``n_layers`` layers as ``kv_format`` stores them (fp8: one byte
+        an element and a float32 scale per KV head)."""
+        row = self.s.head_dim * self.elem if kv_format == "dense" else self.s.head_dim + FP8_SCALE_BYTES
+        return 2 * self.s.n_kv_heads * row * n_layers
 
-    def arena(self, n_tokens: int, n_seqs: int = 1, n_layers: int = 1) -> KVArena:
+    def arena(self, n_tokens: int, n_seqs: int = 1, n_layers: int = 1, kv_format: str = "dense") -> KVArena:
         blocks = n_seqs * (math.ceil(n_tokens / BLOCK) + 1) + 8
         return KVArena(n_layers=n_layers, n_kv_heads=self.s.n_kv_heads, head_dim=self.s.head_dim, dtype=self.dtype,
-                       device=self.device, block_size=BLOCK, kv_bytes=blocks * BLOCK * self.token_bytes(n_layers))
+                       device=self.device, block_size=BLOCK, kv_format=kv_format,
+                       kv_bytes=blocks * BLOCK * self.token_bytes(n_layers, kv_format))
 
     def filled(self, arena: KVArena, n: int, n_layers: int = 1):
         """A sequence of n tokens with random K, V in every layer; returns (seq, [k], [v]) per layer."""
@@ -91,13 +99,14 @@ class KernelBench:
         v = torch.stack([torch.cat([f[2][0], v_new[b:b + 1]]) for b, f in enumerate(filled)])
         return step, seqs, k, v
 
-    def decode(self, n: int, batch: int = 1, compare: bool = True) -> dict:
-        """One query per sequence at position n-1 over its n keys, ``batch`` sequences in one launch;
-        with ``compare``, torch SDPA's backends on the same data laid out contiguously."""
+    def decode(self, n: int, batch: int = 1, compare: bool = True, kv_format: str = "dense") -> dict:
+        """One query per sequence at position n-1 over its n keys, ``batch`` sequences in one launch,
+        from an arena storing K and V as ``kv_format``; with ``compare``, torch SDPA's backends on the
+        same data laid out contiguously in the arena dtype."""
         s = self.s
-        arena = self.arena(n, batch)
+        arena = self.arena(n, batch, kv_format=kv_format)
         try:
-            step, _, k, v = self.stepped(arena, n, batch)
+            step, seqs, k, v = self.stepped(arena, n, batch)
             q = self.randn(batch, s.n_heads, s.head_dim)
             out: list = [None]
 
@@ -107,7 +116,17 @@ class KernelBench:
             timing = self.timer.device_time(ours)
             host_s = self.timer.host_time(ours)
             q_pos = self.positions([n - 1])
-            rel_err = max(self.rel_err(out[0][b:b + 1], q[b:b + 1], k[b], v[b], q_pos) for b in range(batch))
+
+            def worst_rel_err(keys: torch.Tensor, values: torch.Tensor) -> float:
+                return max(self.rel_err(out[0][b:b + 1], q[b:b + 1], keys[b], values[b], q_pos) for b in range(batch))
+
+            rounding: dict = {}
+            if kv_format != "dense":  # the kernel against what it reads; the format's rounding on its own
+                rounding["rel_err_vs_unrounded"] = worst_rel_err(k, v)
+                stored = [seq.read_kv(0) for seq in seqs]
+                k, v = torch.stack([kv[0] for kv in stored]), torch.stack([kv[1] for kv in stored])
+                del stored
+            rel_err = worst_rel_err(k, v)
             k_dense = k.transpose(1, 2).contiguous()  # [B, H_kv, n, d]
             v_dense = v.transpose(1, 2).contiguous()
             del k, v
@@ -116,10 +135,10 @@ class KernelBench:
                          if compare else {})
         finally:
             arena.close()
-        kv_bytes = batch * n * self.token_bytes()
-        return {"length": n, "batch": batch, "seconds": timing.median_s, "time": timing.as_dict(), "host_s": host_s,
-                "kv_bytes": kv_bytes, "bytes_per_s": kv_bytes / timing.median_s, "rel_err": rel_err,
-                "sdpa": reference}
+        kv_bytes = batch * n * self.token_bytes(kv_format=kv_format)
+        return {"length": n, "batch": batch, "kv_format": kv_format, "dtype": str(self.dtype).replace("torch.", ""),
+                "seconds": timing.median_s, "time": timing.as_dict(), "host_s": host_s, "kv_bytes": kv_bytes,
+                "bytes_per_s": kv_bytes / timing.median_s, "rel_err": rel_err, **rounding, "sdpa": reference}
 
     def compressed(self, n: int, keep: float) -> dict:
         """Decode over n tokens, then over a random ``keep`` of them after compaction."""
@@ -190,6 +209,15 @@ class KernelBench:
         return n_keys, sorted(chosen.tolist()) + list(text)
 
 
+FP8 = "_fp8"  # the suffix of a decode run's twin over an fp8 arena, and of its row's key
+
+
+def decode_problems(sizes: KernelSizes) -> dict[str, tuple[int, int]]:
+    """The decode runs: key -> (keys per sequence, sequences in the launch)."""
+    return {"decode": (sizes.decode_length, 1), "decode_long": (sizes.long_decode_length, 1),
+            "decode_batch": (sizes.batch_length, sizes.batch)}
+
+
 def _fmt(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -198,18 +226,21 @@ def run(timer: Timer, sizes: KernelSizes, dtype: torch.dtype,
         copy_bytes_per_s: float) -> tuple[dict, list[Target], dict[str, str]]:
     """Every kernel benchmark; returns the raw numbers, the target rows and the stages' errors."""
     bench = KernelBench(timer, sizes, dtype)
+    decodes = decode_problems(sizes)
     raw, errors = run_stages("kernels", [
-        ("decode", lambda: bench.decode(sizes.decode_length)),
-        ("decode_long", lambda: bench.decode(sizes.long_decode_length)),
-        ("decode_batch", lambda: bench.decode(sizes.batch_length, sizes.batch)),
+        *((key, lambda n=n, b=b: bench.decode(n, b)) for key, (n, b) in decodes.items()),
+        *((f"{key}{FP8}", lambda n=n, b=b: bench.decode(n, b, kv_format="fp8")) for key, (n, b) in decodes.items()),
         ("compressed", lambda: bench.compressed(sizes.compressed_length, sizes.compressed_keep)),
         ("recompute", lambda: bench.many_queries(*bench.recompute_positions())),
         ("prefill", lambda: bench.many_queries(sizes.prefill_chunk, list(range(sizes.prefill_chunk)))),
     ])
     rows: list[Target] = []
-    for key in ("decode", "decode_long", "decode_batch"):
+    for key in decodes:
         if key in raw:
             rows += decode_rows(key, raw[key], copy_bytes_per_s)
+    for key in (f"{key}{FP8}" for key in decodes):
+        if key in raw:
+            rows.append(fp8_decode_row(key, raw[key]))
     if "compressed" in raw:
         c = raw["compressed"]
         rows.append(at_most(
@@ -234,15 +265,38 @@ def many_queries_row(key: str, label: str, r: dict) -> Target:
 
 def decode_rows(key: str, r: dict, copy_bytes_per_s: float) -> list[Target]:
     """Bandwidth against the copy ceiling, and time against the fastest SDPA backend."""
-    what = f"decode attention, batch {r['batch']} x {_fmt(r['length'])}"
+    what = _decode_what(r)
     valid = sdpa.is_correct(r["rel_err"])
-    per_call = " (one batched call, as SDPA)" if r["batch"] > 1 else ""
-    best, best_s = sdpa.fastest(r["sdpa"])
-    layout = r["sdpa"].get(best, {}).get("layout", "")
     return [
         at_least(f"{key}.bandwidth", f"{what}: effective bandwidth", r["bytes_per_s"] / 1e9, copy_bytes_per_s / 1e9,
-                 "GB/s", 0.85, "K+V bytes / time, over the copy bandwidth", f"rel err {r['rel_err']:.1e}{per_call}",
-                 valid=valid),
-        at_least(f"{key}.vs_sdpa", f"{what}: time vs torch SDPA", r["seconds"] * 1e3, best_s * 1e3, "ms", 1.5,
-                 "fastest SDPA time / our time", f"SDPA {best} ({layout}){per_call}", invert=True, valid=valid),
+                 "GB/s", 0.85, "K+V bytes / time, over the copy bandwidth",
+                 f"rel err {r['rel_err']:.1e}{_per_call(r)}", valid=valid),
+        _vs_sdpa_row(f"{key}.vs_sdpa", f"{what}: time vs torch SDPA", r, 1.5, "fastest SDPA time / our time"),
     ]
+
+
+def fp8_decode_row(key: str, r: dict) -> Target:
+    """The decode over an fp8 arena against cuDNN SDPA on the arena dtype's K and V (another backend,
+    named in the detail, only where cuDNN cannot run: the CPU)."""
+    return _vs_sdpa_row(f"{key}.vs_cudnn", f"fp8 KV {_decode_what(r)}: time vs cuDNN SDPA on {r['dtype']} K/V", r,
+                        1.8, "cuDNN SDPA time / our time", among=("cudnn",),
+                        note=f"; rel err {r['rel_err']:.1e} over the stored K/V, "
+                             f"{r['rel_err_vs_unrounded']:.1e} vs unrounded K/V")
+
+
+def _decode_what(r: dict) -> str:
+    return f"decode attention, batch {r['batch']} x {_fmt(r['length'])}"
+
+
+def _per_call(r: dict) -> str:
+    return " (one batched call, as SDPA)" if r["batch"] > 1 else ""
+
+
+def _vs_sdpa_row(key: str, name: str, r: dict, threshold: float, ratio_is: str,
+                 among: tuple[str, ...] | None = None, note: str = "") -> Target:
+    """Our decode time (``KernelBench.decode``'s ``r``) against the fastest SDPA backend that ran,
+    among ``among`` where one of them ran (``sdpa.fastest``); fails when our output is wrong."""
+    best, best_s = sdpa.fastest(r["sdpa"], among=among)
+    layout = r["sdpa"].get(best, {}).get("layout", "")
+    return at_least(key, name, r["seconds"] * 1e3, best_s * 1e3, "ms", threshold, ratio_is,
+                    f"SDPA {best} ({layout}){_per_call(r)}{note}", invert=True, valid=sdpa.is_correct(r["rel_err"]))

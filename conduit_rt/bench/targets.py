@@ -18,6 +18,13 @@ ROWS: dict[str, str] = {
     "decode_long.vs_sdpa": "as decode.vs_sdpa at batch 1 x 128K",
     "decode_batch.bandwidth": "as decode.bandwidth at batch 16 x 8K: one decode-step launch over the 16 sequences",
     "decode_batch.vs_sdpa": "as decode.vs_sdpa at batch 16 x 8K (SDPA takes the batch in one call)",
+    "decode_fp8.vs_cudnn": "the same decode attention at batch 1 x 32K over an fp8 arena (K and V stored as e4m3 "
+                           "with a float32 power-of-two scale per token and KV head) against cuDNN SDPA on bf16 K/V "
+                           "of the same problem; our output is checked against the float32 reference over the K/V "
+                           "the arena holds (the rounding's own error against the unrounded K/V is in the detail)",
+    "decode_long_fp8.vs_cudnn": "as decode_fp8.vs_cudnn at batch 1 x 128K",
+    "decode_batch_fp8.vs_cudnn": "as decode_fp8.vs_cudnn at batch 16 x 8K: one decode-step launch over the 16 "
+                                 "sequences (cuDNN takes the batch in one call)",
     "compressed.vs_full": "decode over the 32K sequence compacted to a random 10% of its slots, against the same "
                           "sequence uncompacted",
     "recompute.vs_sdpa": "CONDUIT's recompute queries (10% of 8K visual tokens + 64 text queries over ~8.5K keys, "
@@ -41,6 +48,9 @@ ROWS: dict[str, str] = {
     "decode.graph_captured": "CUDA graph replays per decode step during our decode",
     "vlcache.speed": "decode tokens/s with VL-Cache at 10% keep against the uncompressed cache, 32K context",
     "vlcache.kv_bytes": "the prompt's KV bytes after VL-Cache compression over before",
+    "long_fp8.vs_bf16": "decode tokens/s of the same 32K-context request, uncompressed, on a Runtime with an fp8 KV "
+                        "cache (``Runtime.from_model(..., kv_dtype='fp8')``, built after the bf16 one is closed, one "
+                        "untimed request first) against vlcache.speed's uncompressed bf16-cache run",
     "qwen3vl.ttft.vs_full_prefill": "as ttft.vs_full_prefill on the Qwen3-VL-8B-shaped model: 8 seen images of "
                                     "1024 x 1024 pixels (1024 tokens each, ~8.3K prompt tokens), refresh conduit at "
                                     "10%, against our full prefill; the cold TTFTs are in the detail",
