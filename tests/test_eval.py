@@ -4,6 +4,7 @@ KV against the transformers reference of ``conduit_rt.evaluation.task.stale_kv``
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -91,6 +92,31 @@ def test_eval_command_writes_the_table_and_full_refresh_matches_the_reference(ta
     assert vlcache["kv_ratio"] < 0.5 and vlcache["kl_first"] < 1e-6  # the prefill is untouched, decoding is not
     assert "| `conduit` |" in (out / "table.md").read_text()
     assert "CONDUIT at r = 10%" in (out / "quality.md").read_text()
+
+
+def test_eval_with_an_fp8_kv_cache_reports_its_full_prefill_against_the_dense_one(task_model, tmp_path):
+    hf_dir, _ = task_model
+    out = tmp_path / "eval"
+    n = 3
+    status = conduit_main(["eval", "--model", str(hf_dir), "--device", "cpu", "--n", str(n), "--max-pages", "2",
+                           "--pool-pages", "40", "--seed", str(SEED), "--families", "lookup", "--refresh-policies", "",
+                           "--compress-policies", "", "--together", "", "--kv-dtype", "fp8", "--out", str(out), "-q"])
+    assert status == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {row["key"]: row for row in results["rows"]}
+    kv = results["kv_cache"]
+    assert set(rows) == {REFERENCE_KEY, kv["key"]} and kv["kv_dtype"] == "fp8"
+    assert kv["n"] == n == rows[kv["key"]]["n"] and len(results["outcomes"][kv["key"]]) == n
+    assert 0.0 <= kv["accuracy"] <= 1.0 and kv["accuracy_ci"][0] <= kv["accuracy"] <= kv["accuracy_ci"][1]
+    assert kv["full_accuracy"] == rows[REFERENCE_KEY]["accuracy"]
+    assert kv["difference"] == pytest.approx(kv["accuracy"] - kv["full_accuracy"])
+    assert kv["ci"][0] <= kv["difference"] <= kv["ci"][1]
+    kl = kv["kl_first"]
+    assert all(math.isfinite(value) and value >= 0.0 for value in kl.values())
+    assert kl["mean"] <= kl["max"] and kl["p99"] <= kl["max"] and kl["max"] > 0.0  # the fp8 cache is rounded
+    assert kl["mean"] == pytest.approx(rows[kv["key"]]["kl_first"])
+    table = (out / "table.md").read_text()
+    assert "| `fp8` |" in table and "Full prefill on the fp8 KV cache" in table
 
 
 def test_replayed_stale_kv_equals_the_transformers_reference(task_model, pool):

@@ -2,7 +2,8 @@
 
 Replays document-QA sessions of the tagged-pages task (``evaluation/task/``) on a Runtime and measures every
 refresh policy x budget, every compression policy x keep ratio and CONDUIT + VL-Cache together
-against a cold full prefill (see ``replay`` and ``metrics``). Writes ``OUT/results.json`` (every
+against a cold full prefill (see ``replay`` and ``metrics``); with ``--kv-dtype fp8`` also that full
+prefill on an fp8 KV cache. Writes ``OUT/results.json`` (every
 number), ``OUT/table.md``, ``OUT/plot.png`` and ``OUT/quality.md`` (the docs page).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..cli import (DEVICE_HELP, fractions, names_from, non_negative_float, non_n
 from ..errors import ModelFormatError
 from ..extras import pyplot
 from . import report, statistics
-from .comparisons import outcomes, paired_comparisons
+from .comparisons import kv_comparison, outcomes, paired_comparisons
 from .replay import REFERENCE_KEY, build_settings
 from .shards import replay_all
 
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compression keep ratios α in [0, 1], comma-separated (default: 0.05,0.1,0.2,0.4)")
     parser.add_argument("--together", type=fractions, default=[0.1, 0.1], metavar="R,A",
                         help="CONDUIT budget,VL-Cache keep of the combined row (empty: no such row; default: 0.1,0.1)")
+    parser.add_argument("--kv-dtype", choices=("fp8",), default=None,
+                        help="also answer every request with full prefill on a second Runtime over the same weights "
+                             "whose KV cache is this dtype: its accuracy against the dense cache's and the first "
+                             "answer token's KL (default: none)")
     parser.add_argument("--max-tokens", type=positive_int, default=8,
                         help="answer tokens (two codes are 6, then EOS; default: %(default)s)")
     parser.add_argument("--time-limit", type=non_negative_float, default=None,
@@ -113,7 +118,8 @@ def resolve_model(path: Path, workdir: Path) -> Path:
 def collect(args: argparse.Namespace, settings, scores, seconds: float, device: torch.device, dtype: torch.dtype,
             model_path: Path, argv: list[str]) -> dict:
     """The results dict (results.json): configuration, one row per setting (with its confidence intervals),
-    the checks, how the intervals were made and the paired comparisons (``comparisons``)."""
+    the checks, how the intervals were made, the paired comparisons and, with ``--kv-dtype``, the full prefill
+    on that KV cache against the dense one (``comparisons``)."""
     reference = scores[REFERENCE_KEY]
     full_accuracy = reference.accuracy
     rows = []
@@ -146,6 +152,7 @@ def collect(args: argparse.Namespace, settings, scores, seconds: float, device: 
                        "pct_of_full_ci": "percentile bootstrap over requests, paired with the full prefill",
                        "comparisons_ci": "percentile bootstrap over requests of the paired difference"},
         "comparisons": paired_comparisons(settings, scores),
+        "kv_cache": kv_comparison(settings, scores),  # None without --kv-dtype
         # per request, in replay order: its family and page count, and each setting's exact match
         "requests": {"families": reference.families, "pages": reference.pages},
         "outcomes": outcomes({setting.key: scores[setting.key] for setting in settings}),
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     n = args.n if args.n is not None else (500 if device.type == "cuda" else 24)
     settings = build_settings(args.refresh_policies, args.budgets, args.compress_policies, args.keeps,
-                              tuple(args.together) if args.together else None)
+                              tuple(args.together) if args.together else None, args.kv_dtype)
     logger.info("%d settings x %d requests on %s (%s), %d worker(s)", len(settings), n, device, dtype, args.workers)
     indices = list(range(args.start, args.start + n))
     scores, seconds = replay_all(args, model_path, settings, indices, device, dtype, progress=not args.quiet)

@@ -11,7 +11,9 @@ difference that excludes zero against it is, if anything, understated.
 
 Each comparison is a ``statistics.paired_difference`` of exact match over the same requests, with
 its 95% bootstrap interval; ``excludes_zero`` says whether the two settings differ at that
-confidence. results.json also keeps every setting's per-request outcomes (``outcomes``), so any two
+confidence. With ``--kv-dtype`` the full prefill on that KV cache is set against the dense one
+(``kv_comparison``): the same paired difference, and the first answer token's KL over requests.
+results.json also keeps every setting's per-request outcomes (``outcomes``), so any two
 settings of a run can be paired afterwards:
 
     python -m conduit_rt.evaluation.comparisons results.json refresh:conduit_focus@0.1 refresh:attention@0.1
@@ -23,8 +25,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .metrics import SettingScores
-from .replay import Setting
+from .metrics import SettingScores, accuracy_cells, tail_summary
+from .replay import REFERENCE_KEY, Setting
 from .statistics import paired_difference
 
 REFRESH_METHOD, COMPRESS_METHOD = "conduit", "vlcache"
@@ -32,6 +34,7 @@ REFRESH_RIVAL = "attention"  # the method's own ablation: its score without valu
 # the policies beyond the papers (docs/methods.md): compared with the method, never its baselines
 BEYOND = {"refresh": {"conduit_allq", "conduit_rescore", "conduit_deviation", "conduit_focus",
                        "conduit_local"}, "compress": {"vlcache_all", "vlcache_flat"}}
+KV_TOLERANCE_POINTS = 0.5  # exact-match points a KV dtype may lose against the dense cache and still keep its quality
 NOT_BASELINES = {"refresh": {"full", "none", REFRESH_METHOD, *BEYOND["refresh"]},
                  "compress": {"none", COMPRESS_METHOD, *BEYOND["compress"]}}
 
@@ -86,6 +89,25 @@ def paired_comparisons(settings: Sequence[Setting], scores: dict[str, SettingSco
                     out.append(compare(f"{_policy(challenger)} vs best baseline ({_policy(best)})", kind, level,
                                        challenger, best, scores))
     return [entry for entry in out if entry is not None]
+
+
+def kv_comparison(settings: Sequence[Setting], scores: dict[str, SettingScores]) -> dict | None:
+    """The full prefill on the ``kv`` setting's cache against the dense one over the same requests
+    (results.json's ``kv_cache``): its exact match (``metrics.accuracy_cells``), the paired difference
+    with its interval, whether that lies within ``KV_TOLERANCE_POINTS``, and the mean, 99th
+    percentile and maximum of the first answer token's KL(dense || kv) in nats. None without a
+    ``kv`` setting or requests."""
+    kv = next((setting for setting in settings if setting.kind == "kv"), None)
+    if kv is None:
+        return None
+    mine, dense = scores[kv.key], scores[REFERENCE_KEY]
+    difference = paired_difference(mine.correct, dense.correct)
+    if difference is None:
+        return None
+    return {"key": kv.key, "kv_dtype": kv.kv_dtype, **accuracy_cells(mine.correct, dense.correct),
+            "full_accuracy": dense.accuracy, **difference.as_dict(), "tolerance_points": KV_TOLERANCE_POINTS,
+            "within_tolerance": abs(100 * difference.difference) <= KV_TOLERANCE_POINTS,
+            "kl_first": tail_summary(mine.measures.get("kl_first", []))}
 
 
 def outcomes(scores: dict[str, SettingScores]) -> dict[str, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import statistics
@@ -173,3 +174,11 @@ class SettingScores:
 
 def mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def tail_summary(values: Sequence[float]) -> dict[str, float]:
+    """Mean, 99th percentile and maximum of per-request values (all 0 without requests): a small
+    mean can hide the few requests that an error does change."""
+    if not values:
+        return {"mean": 0.0, "p99": 0.0, "max": 0.0}
+    return {"mean": mean(values), "p99": float(np.percentile(values, 99)), "max": float(max(values))}

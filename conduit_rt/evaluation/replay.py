@@ -10,7 +10,9 @@ A session (``Replay.session``):
      prefix cache is off, so nothing else is reused either). Restoring reads the store and never
      writes it, and compression acts on the request's own sequence, so every setting sees the store
      exactly as the warm-up left it. Every answer is traced (``trace_selection``): the recall of the
-     cells it needs (``recall``) is measured in what each setting refreshed and kept;
+     cells it needs (``recall``) is measured in what each setting refreshed and kept. A ``kv``
+     setting (``--kv-dtype``) is the same cold full prefill on a second Runtime over the same
+     model whose KV cache is stored in another format (fp8): what the format alone changes;
   4. forget the pages again.
 
 The final hidden state is read by wrapping ``runtime.model.logits`` for the duration of a call
@@ -40,7 +42,8 @@ REFERENCE_KEY = "full_prefill"
 class Setting:
     """One row of the table: a refresh policy and budget, a compression policy and keep ratio, or both.
 
-    ``kind``: "reference" (cold full prefill), "refresh", "compress" or "together".
+    ``kind``: "reference" (cold full prefill), "kv" (the same on the ``kv_dtype`` cache), "refresh",
+    "compress" or "together".
     """
 
     kind: str
@@ -48,11 +51,14 @@ class Setting:
     budget: float = 0.0
     compress: str | None = None
     keep: float = 1.0
+    kv_dtype: str | None = None
 
     @property
     def key(self) -> str:
         if self.kind == "reference":
             return REFERENCE_KEY
+        if self.kind == "kv":
+            return f"{REFERENCE_KEY}+kv:{self.kv_dtype}"
         parts = []
         if self.refresh is not None:
             parts.append(f"refresh:{self.refresh}@{self.budget:g}")
@@ -66,9 +72,11 @@ class Setting:
 
 
 def build_settings(refresh_policies: Sequence[str], budgets: Sequence[float], compress_policies: Sequence[str],
-                   keeps: Sequence[float], together: tuple[float, float] | None = (0.1, 0.1)) -> list[Setting]:
-    """The reference first, then each refresh policy at each budget, each compression policy at each
-    keep ratio, and CONDUIT + VL-Cache at ``together`` = (budget, keep).
+                   keeps: Sequence[float], together: tuple[float, float] | None = (0.1, 0.1),
+                   kv_dtype: str | None = None) -> list[Setting]:
+    """The reference first, then (with ``kv_dtype``) the reference on that KV cache, each refresh
+    policy at each budget, each compression policy at each keep ratio, and CONDUIT + VL-Cache at
+    ``together`` = (budget, keep).
 
     Rows that would repeat another are run once: ``full`` (every token, any budget), ``none``
     (nothing, any budget), compression ``none`` (everything, any keep). Budget 0 is run only as
@@ -76,6 +84,8 @@ def build_settings(refresh_policies: Sequence[str], budgets: Sequence[float], co
     (``reuse.ReusePass.run``), i.e. it is ``none``; the report shows ``none`` in that column.
     """
     settings = [Setting("reference")]
+    if kv_dtype is not None:
+        settings.append(Setting("kv", kv_dtype=kv_dtype))
     for policy in refresh_policies:
         if policy == "full":
             settings.append(Setting("refresh", "full", 1.0))
@@ -115,14 +125,19 @@ def recording_final_hidden(runtime) -> Iterator[list[torch.Tensor]]:
 
 class Replay:
     """Runs sessions on ``runtime`` (built with ``prefix_cache_entries=0`` and an image store large
-    enough for a session's pages) for the given settings; ``max_tokens`` bounds each answer."""
+    enough for a session's pages) for the given settings; ``max_tokens`` bounds each answer.
+    ``kv_runtime``: the Runtime that answers the ``kv`` settings (over the same model, its KV cache
+    in their ``kv_dtype``; also without a prefix cache)."""
 
-    def __init__(self, runtime, settings: Sequence[Setting], max_tokens: int) -> None:
+    def __init__(self, runtime, settings: Sequence[Setting], max_tokens: int, kv_runtime=None) -> None:
         if settings[0].kind != "reference":
             raise ValueError("the first setting must be the reference (cold full prefill)")
-        if runtime.planner.prefix_cache.max_entries != 0:
-            raise ValueError("the replay needs a runtime without a prefix cache (prefix_cache_entries=0)")
-        self.runtime, self.settings, self.max_tokens = runtime, list(settings), max_tokens
+        if kv_runtime is None and any(setting.kind == "kv" for setting in settings):
+            raise ValueError("a kv setting needs a kv_runtime to answer it")
+        for one in (runtime, kv_runtime):
+            if one is not None and one.planner.prefix_cache.max_entries != 0:
+                raise ValueError("the replay needs runtimes without a prefix cache (prefix_cache_entries=0)")
+        self.runtime, self.kv_runtime, self.settings, self.max_tokens = runtime, kv_runtime, list(settings), max_tokens
 
     def session(self, messages: list[dict], seen: Sequence[list[dict]]) -> dict[str, Outcome]:
         """Warms the store with ``seen`` (earlier requests' messages), answers ``messages`` once per
@@ -141,8 +156,9 @@ class Replay:
             self._forget(keys)
 
     def _answer(self, messages: list[dict], setting: Setting) -> Outcome:
-        with recording_final_hidden(self.runtime) as hidden:
-            result = self.runtime.generate(messages, max_tokens=self.max_tokens, return_logits=True,
+        runtime = self.kv_runtime if setting.kind == "kv" else self.runtime
+        with recording_final_hidden(runtime) as hidden:
+            result = runtime.generate(messages, max_tokens=self.max_tokens, return_logits=True,
                                            trace_selection=True, **setting.generate_options())
         steps = result.logits.shape[0]  # the prefill's logits call, then one per decode step
         return Outcome(result.text, list(result.tokens), result.logits, torch.stack(hidden[-steps:]), result.stats)

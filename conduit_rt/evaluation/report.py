@@ -27,6 +27,11 @@ COMPARISONS_NOTE = ("At every budget CONDUIT is set against `attention` and agai
                     "the interval is a percentile bootstrap over requests, so an interval that excludes 0 means the "
                     "two settings differ at 95% confidence.")
 
+KV_NOTE = ("The same cold full prefill on a second Runtime over the same weights whose KV cache is stored in the "
+           "other format (fp8: e4m3 with a power-of-two scale per token and KV head). The difference is paired over "
+           "the same requests (percentile bootstrap, 95%); the KL is KL(dense || other) of the first answer token's "
+           "next-token distribution, in nats, over the requests.")
+
 
 def rows_by_key(results: dict) -> dict[str, dict]:
     return {row["key"]: row for row in results["rows"]}
@@ -151,6 +156,33 @@ def comparisons_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def kv_table(results: dict) -> str:
+    """The full prefill on the dense KV cache and on the ``--kv-dtype`` one: exact match, the paired
+    difference over the same requests and the first answer token's KL(dense || kv dtype)."""
+    kv = results["kv_cache"]
+    kl = kv["kl_first"]
+    dense = next(row for row in results["rows"] if row["kind"] == "reference")
+    lines = ["| KV cache | exact match % [95% CI] | % of full [95% CI] | minus dense (points) [95% CI] | CI excludes 0 "
+             "| first-token KL: mean | p99 | max |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+             f"| dense ({results['config']['dtype']}) | {_accuracy(dense)} | {_pct_of_full(dense)} | | | | | |",
+             f"| `{kv['kv_dtype']}` | {_accuracy(kv)} | {_pct_of_full(kv)} | {_difference(kv)} | "
+             f"{'yes' if kv['excludes_zero'] else 'no'} | {kl['mean']:.2e} | {kl['p99']:.2e} | {kl['max']:.2e} |"]
+    return "\n".join(lines)
+
+
+def kv_headline(kv: dict) -> str:
+    """The headline's sentence on the ``--kv-dtype`` cache (``results["kv_cache"]``)."""
+    kl = kv["kl_first"]
+    within = "within" if kv["within_tolerance"] else "NOT within"
+    return (f"Full prefill on the {kv['kv_dtype']} KV cache: exact match {100 * kv['accuracy']:.1f}%"
+            f"{_interval(kv['accuracy_ci'], 100)}, {_difference(kv)} points "
+            f"against the dense cache over the same {kv['n']} requests ({within} {kv['tolerance_points']:g} points; "
+            f"CI {'excludes' if kv['excludes_zero'] else 'includes'} 0); "
+            f"KL(dense || {kv['kv_dtype']}) of the first answer token: mean {kl['mean']:.2e}, p99 {kl['p99']:.2e}, "
+            f"max {kl['max']:.2e} nats.")
+
+
 def _compared(comparison: dict, method: str) -> str:
     """How a comparison is named in a sentence about ``method``: "attention" for the method's own
     (method vs B), "`conduit_focus` over `conduit`" for a policy beyond the papers against it (or
@@ -202,6 +234,8 @@ def headline(results: dict) -> list[str]:
         notes.append(f"CONDUIT r = {100 * row['budget']:g}% + VL-Cache α = {100 * row['keep']:g}% together: "
                      f"{_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at {row['prefill_flops_ratio']:.3f}x "
                      f"the prefill FLOPs and {row['kv_ratio']:.3f}x the KV bytes.")
+    if results.get("kv_cache"):  # results of runs without --kv-dtype have none
+        notes.append(kv_headline(results["kv_cache"]))
     return notes
 
 
@@ -230,6 +264,9 @@ def tables_markdown(results: dict, plot_name: str = "plot.png") -> str:
     if results.get("comparisons"):
         parts += ["### Paired comparisons: A - B in exact-match points over the same requests",
                   comparisons_table(results), COMPARISONS_NOTE]
+    if results.get("kv_cache"):
+        parts += [f"### KV cache: full prefill on the dense and the {results['kv_cache']['kv_dtype']} cache",
+                  kv_table(results), KV_NOTE]
     parts += [
         "### Every setting",
         detail_table(results),

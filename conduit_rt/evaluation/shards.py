@@ -50,14 +50,19 @@ def split_requests(args: argparse.Namespace, indices: list[int]) -> list[ReplayR
 
 def replay_shard(args: argparse.Namespace, model_path: Path, settings: list[Setting], indices: list[int],
                  device: torch.device, dtype: torch.dtype, progress: str | None = None) -> dict[str, SettingScores]:
-    """One process's share: a Runtime of its own, the requests ``indices``, the scores by setting key.
+    """One process's share: a Runtime of its own (and with ``args.kv_dtype`` a second one over the same
+    weights, its KV cache in that dtype), the requests ``indices``, the scores by setting key.
     ``progress``: the label of a progress bar over the requests on stderr (None: no bar)."""
     from ..runtime import Runtime
 
-    runtime = Runtime(model_path, device=device, dtype=dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-                      image_cache_bytes=args.image_cache_mib << 20, prefix_cache_entries=0)
+    caches = {"kv_cache_bytes": args.kv_cache_mib << 20, "image_cache_bytes": args.image_cache_mib << 20,
+              "prefix_cache_entries": 0}
+    runtime = Runtime(model_path, device=device, dtype=dtype, **caches)
+    # the same model object: the two answers differ in the KV format alone, and the weights are held once
+    kv_runtime = Runtime.from_model(runtime.model, kv_dtype=args.kv_dtype, **caches) if args.kv_dtype else None
+    replay = Replay(runtime, settings, args.max_tokens, kv_runtime)
     with tqdm(split_requests(args, indices), desc=progress, unit="request", disable=progress is None) as requests:
-        scores, _ = run_requests(Replay(runtime, settings, args.max_tokens), requests, args.time_limit)
+        scores, _ = run_requests(replay, requests, args.time_limit)
     return scores
 
 
