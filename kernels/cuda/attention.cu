@@ -4,7 +4,9 @@
 // Kernels: many queries (prefill chunks, CONDUIT's passes) of bf16/f16 layers with head_dim 64 or 128
 // take the tensor-core attention (attention_mma.cu); one query per sequence with a GQA group of
 // 2..16, same dtypes and head dims, the tensor-core decode kernel (attention_mma_decode.cu); every
-// other shape the CUDA-core split-KV kernel (attention_kernel.cuh).
+// other shape the CUDA-core split-KV kernel (attention_kernel.cuh). Over an fp8 pool one query per
+// sequence (groups 1..16) takes the fp8 decode kernel (attention_decode_fp8.cu), which reads the e4m3
+// rows; every other shape runs on a dequantized copy of the layer (kv_fp8.cuh).
 // Splits: a kernel splits the keys only while its unsplit grid (queries or row tiles x KV heads) is
 // smaller than one wave of resident CTAs, into splits that fill about one wave (flash-decoding). That
 // is a decode step, or a many-query pass with few rows per KV head over thousands of keys (a CONDUIT
@@ -69,7 +71,7 @@ void launch_mma_attention_and_merge(const AttentionParams &p, DType dtype, int w
 
 // The tensor-core decode kernel (attention_mma_decode.cu) with p's split plan, then the merge.
 void launch_decode_mma_and_merge(const AttentionParams &p, DType dtype, cudaStream_t stream, bool fp8 = false) {
-    if (fp8) launch_decode_mma_fp8(p, dtype, stream);
+    if (fp8) launch_decode_fp8(p, dtype, stream);
     else launch_decode_mma(p, dtype, stream);
     dispatch_dtype(dtype, [&](auto tag) { merge_splits<typename decltype(tag)::type>(p, stream); });
 }
@@ -159,7 +161,10 @@ struct BatchPlan {
 BatchPlan batch_plan(const BatchView &kv, int32_t n_heads) {
     const int32_t group = n_heads / kv.n_kv_heads;
     BatchPlan plan{};
-    if (decode_mma_applies(kv.dtype, kv.head_dim, group)) { // one CTA holds the whole group of a KV head
+    if (kv.fp8 && decode_fp8_applies(kv.dtype, kv.head_dim, group)) { // as the tensor-core decode
+        plan.base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads;
+        plan.resident_ctas = decode_fp8_resident_ctas(kv.dtype, kv.head_dim, group);
+    } else if (decode_mma_applies(kv.dtype, kv.head_dim, group)) { // one CTA holds the whole group of a KV head
         plan.base_ctas = int64_t(kv.n_seqs) * kv.n_kv_heads;
         plan.resident_ctas = decode_mma_resident_ctas(kv.dtype, kv.head_dim, group);
     } else {
@@ -237,12 +242,12 @@ AttentionParams attention_params(const LayerView &kv, int32_t n_q, int32_t n_hea
 void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q, const int32_t *q_pos, float scale,
                void *out, float *lse, const Tuning &tuning, void *stream) {
     if (n_q <= 0) return;
-    if (kv.fp8 && n_q == 1 && decode_mma_applies(kv.dtype, kv.head_dim, n_heads / kv.n_kv_heads)) {
+    if (kv.fp8 && n_q == 1 && decode_fp8_applies(kv.dtype, kv.head_dim, n_heads / kv.n_kv_heads)) {
         AttentionParams p = attention_params(kv, n_q, n_heads, q, q_pos, scale);
         p.out = out;
         p.lse = lse;
         p.head_tiles = 1;
-        plan_splits(p, kDecodeMmaTileKeys, kMinSplitTokens, decode_mma_resident_ctas(kv.dtype, p.head_dim, p.group));
+        plan_splits(p, kDecodeMmaTileKeys, kMinSplitTokens, decode_fp8_resident_ctas(kv.dtype, p.head_dim, p.group));
         place_stream_partials(p, as_stream(stream), false);
         launch_decode_mma_and_merge(p, kv.dtype, as_stream(stream), true);
         return;
@@ -290,7 +295,8 @@ void attention(const LayerView &kv, int32_t n_q, int32_t n_heads, const void *q,
 }
 
 size_t batch_attention_workspace_bytes(const BatchView &kv, int32_t n_heads) {
-    // (an fp8 batch runs on its dense staging copy, whose plan is this one: the plan reads no bytes)
+    // (an fp8 batch that the fp8 decode kernel cannot take runs on a dense staging copy, whose plan is
+    // this one: the plan reads no bytes)
     if (kv.n_seqs <= 0 || kv.n_kv_heads <= 0 || n_heads < kv.n_kv_heads) return 0;
     return batch_workspace_bytes(kv, batch_plan(kv, n_heads), n_heads);
 }
@@ -305,7 +311,7 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
     if (kv.fp8) { // the step's rows quantized into the pool first; the fp8 decode kernel reads them
         if (new_k) write_last(kv, new_k, new_v, rope, rope_pos, stream);
         new_k = new_v = nullptr;
-        if (!decode_mma_applies(kv.dtype, kv.head_dim, n_heads / kv.n_kv_heads)) { // on a dense copy
+        if (!decode_fp8_applies(kv.dtype, kv.head_dim, n_heads / kv.n_kv_heads)) { // on a dense copy
             const BatchStaging staged(kv, stream);
             batch_attention_writing(staged.view(), n_heads, q, scale, out, lse, workspace, workspace_bytes, stream,
                                     nullptr, nullptr, Rope{}, nullptr);
@@ -328,7 +334,7 @@ void batch_attention_writing(const BatchView &kv, int32_t n_heads, const void *q
     p.new_rope_pos = new_k ? checked_rope_pos(rope, rope_pos, p.head_dim) : nullptr;
     p.rope = rope;
     const BatchPlan plan = batch_plan(kv, n_heads);
-    const bool tensor_cores = decode_mma_applies(kv.dtype, p.head_dim, p.group);
+    const bool tensor_cores = kv.fp8 || decode_mma_applies(kv.dtype, p.head_dim, p.group); // (fp8: see above)
     p.n_splits = plan.n_splits;
     if (p.n_splits > 1) {
         require(workspace && workspace_bytes >= batch_workspace_bytes(kv, plan, n_heads),

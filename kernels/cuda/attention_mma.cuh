@@ -179,9 +179,12 @@ int64_t decode_mma_resident_ctas(DType dtype, int32_t head_dim, int32_t group);
 // Launches it for p (attention_params with p.n_splits and, for several splits, the partials set;
 // either n_q == 1 or a batch step with p.seq_n_tokens). The caller merges the splits.
 void launch_decode_mma(const AttentionParams &p, DType dtype, cudaStream_t stream);
-// The same over an fp8 pool (kernels.h's fp8 layout; p.block_bytes set): dtype is the queries' and
-// outputs', the shapes those of decode_mma_applies; p.new_k must be null (the step's rows are written
-// by write_last first).
-void launch_decode_mma_fp8(const AttentionParams &p, DType dtype, cudaStream_t stream);
+// Decode over an fp8 pool (attention_decode_fp8.cu; kernels.h's fp8 layout, p.block_bytes set): the
+// same grid, split plan (kDecodeMmaTileKeys) and partials as launch_decode_mma, dtype the queries' and
+// outputs'. Takes bf16/f16 queries with head_dim 64 or 128 and groups 1..16; p.new_k must be null (the
+// step's rows are written by write_last first).
+bool decode_fp8_applies(DType dtype, int32_t head_dim, int32_t group);
+int64_t decode_fp8_resident_ctas(DType dtype, int32_t head_dim, int32_t group);
+void launch_decode_fp8(const AttentionParams &p, DType dtype, cudaStream_t stream);
 
 } // namespace conduit::kernels::cuda

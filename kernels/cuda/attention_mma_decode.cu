@@ -21,11 +21,7 @@
 //   3. The warps' (max, sum, O) are merged through shared memory and the CTA writes out/lse (one
 //      split) or its partial and natural-log lse (several splits).
 //
-// Over an fp8 pool (decode_mma_fp8_kernel) step 1 streams the tiles' e4m3 bytes and row scales
-// instead, half the bytes of bf16, and all threads expand each tile, once it has landed, into the
-// dense swizzled tile of step 2 (value = byte * scale, exact in bf16 and f16), so that steps 2 and 3
-// are the dense kernel's own. The expansion costs the SM two shared-memory passes of the tile and one
-// barrier more per tile; the kernel stays bound by the stream of bytes.
+// Over an fp8 pool the decode runs in attention_decode_fp8.cu.
 //
 // Fragment layouts (g = lane / 4, t = lane % 4; PTX ISA, m16n8k16):
 //   A (Q or P, 16 x 16): a[0] = row g, cols 2t, 2t+1; a[1] = row g+8, same cols; a[2], a[3] = the
@@ -33,7 +29,6 @@
 //   C (S or O, 16 x 8): c[0], c[1] = row g, cols 2t, 2t+1; c[2], c[3] = row g+8, same cols.
 //   Rows are query heads: row r = head kv_head * group + r. With group <= 8 (kTall false) rows
 //   g+8 are padding and their softmax is skipped (a[1] = a[3] = 0).
-#include <cuda_fp8.h>
 #include <math_constants.h>
 
 #include <atomic>
@@ -315,166 +310,6 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
     merge_and_store<T, kHeadDim, kTall>(p, qi, kv_head, split, state, reinterpret_cast<float *>(decode_smem));
 }
 
-// ---------------------------------------------------------------------------------------------
-// fp8 pools
-// ---------------------------------------------------------------------------------------------
-
-// One pipeline stage of fp8 tiles: K then V bytes (16-byte chunks of 16 elements, rows in order),
-// then the K and V row scales. After kStages of them, the dense tile the warps read (DecodeShape's
-// stage layout) lies at the start of the shared memory.
-template <int kHeadDim> struct Fp8Stage {
-    using S = DecodeShape<kHeadDim>;
-    static constexpr int kRowChunks = kHeadDim / 16;
-    static constexpr int kTileChunks = S::kTileKeys * kRowChunks; // one K (or V) tile
-    static constexpr int kChunks = 2 * kTileChunks;
-    static constexpr size_t kBytes = size_t(kChunks) * 16 + 2 * S::kTileKeys * sizeof(float);
-    static constexpr size_t kDenseBytes = size_t(S::kStageChunks) * 16;
-    static constexpr size_t kSmemBytes = kDenseBytes + S::kStages * kBytes > S::kMergeBytes
-                                             ? kDenseBytes + S::kStages * kBytes
-                                             : S::kMergeBytes;
-    static __device__ uint4 *stage(uint4 *smem, int s) {
-        return reinterpret_cast<uint4 *>(reinterpret_cast<char *>(smem) + kDenseBytes + s * kBytes);
-    }
-    static __device__ float *scales(uint4 *stage) { return reinterpret_cast<float *>(stage + kChunks); }
-};
-
-// Issues the cp.async copies of the fp8 tile at tile_start into `stage` (bytes and scales; rows
-// the query does not see zero-filled, scale included, so that they expand to zeros) and records the
-// visible rows, as load_decode_tile does for dense pools.
-template <int kHeadDim>
-__device__ __forceinline__ void load_fp8_decode_tile(const AttentionParams &p, const int32_t *table, int32_t kv_head,
-                                                     int32_t tile_start, int32_t end, int32_t q_position, uint4 *stage,
-                                                     bool *visible) {
-    using S = DecodeShape<kHeadDim>;
-    using F = Fp8Stage<kHeadDim>;
-    const uint8_t *pool = static_cast<const uint8_t *>(p.pool);
-    const int32_t mask = (1 << p.block_shift) - 1, head_row = kv_head << p.block_shift;
-    const int64_t rows = int64_t(p.n_kv_heads) << p.block_shift; // K rows of a block
-    struct Row {
-        const uint8_t *block; // the key's pool block (block 0 for a row not seen: never read)
-        int32_t row;          // its K row in the block
-        bool seen;
-    };
-    const auto row_of = [&](int32_t key) {
-        const int32_t slot = tile_start + key;
-        const bool seen = slot < end && (!p.positions || p.positions[slot] <= q_position);
-        const uint8_t *block = pool + (seen ? int64_t(table[slot >> p.block_shift]) * p.block_bytes : 0);
-        return Row{block, head_row + (slot & mask), seen};
-    };
-#pragma unroll
-    for (int i = 0; i < F::kTileChunks / S::kThreads; ++i) {
-        const int32_t idx = threadIdx.x + i * S::kThreads, key = idx / F::kRowChunks, chunk = idx % F::kRowChunks;
-        const Row r = row_of(key);
-        const uint8_t *k_bytes = r.block + int64_t(r.row) * kHeadDim + chunk * 16;
-        cp_async16(stage + idx, k_bytes, r.seen);
-        cp_async16(stage + F::kTileChunks + idx, k_bytes + rows * kHeadDim, r.seen);
-        if (chunk == 0) visible[key] = r.seen;
-    }
-    float *scales = F::scales(stage);
-    for (int32_t i = threadIdx.x; i < 2 * S::kTileKeys; i += S::kThreads) {
-        const int32_t key = i % S::kTileKeys, value = i / S::kTileKeys;
-        const Row r = row_of(key);
-        // after the block's 2 * rows rows of bytes, a float a row: K's, then V's (kernels.h)
-        const uint8_t *scale = r.block + 2 * rows * kHeadDim + (r.row + value * rows) * int64_t(sizeof(float));
-        cp_async4(scales + i, scale, r.seen);
-    }
-}
-
-// Expands a landed fp8 stage into the dense tile (K then V, swizzled as load_decode_tile stores
-// them). Call from all threads between two barriers.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void expand_fp8_tile(const uint4 *stage, uint4 *dense) {
-    using S = DecodeShape<kHeadDim>;
-    using F = Fp8Stage<kHeadDim>;
-    const float *scales = F::scales(const_cast<uint4 *>(stage));
-#pragma unroll
-    for (int i = 0; i < F::kChunks / S::kThreads; ++i) {
-        const int32_t idx = threadIdx.x + i * S::kThreads, value = idx / F::kTileChunks;
-        const int32_t key = idx % F::kTileChunks / F::kRowChunks, chunk = idx % F::kRowChunks;
-        const float scale = scales[value * S::kTileKeys + key];
-        const uint4 bytes = stage[idx];
-        const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-        uint32_t out[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const __half2 pair(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[w] >> (16 * h)), __NV_E4M3));
-                const float2 x = __half22float2(pair);
-                out[2 * w + h] = pack2<T>(x.x * scale, x.y * scale);
-            }
-        uint4 *tile = dense + value * S::kTileChunks;
-        tile[swizzled<S::kRowChunks>(key, 2 * chunk)] = make_uint4(out[0], out[1], out[2], out[3]);
-        tile[swizzled<S::kRowChunks>(key, 2 * chunk + 1)] = make_uint4(out[4], out[5], out[6], out[7]);
-    }
-}
-
-// decode_mma_kernel over an fp8 pool (see the top of the file): the same grid, splits and math.
-template <typename T, int kHeadDim, bool kTall>
-__global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_fp8_kernel(const AttentionParams p) {
-    using S = DecodeShape<kHeadDim>;
-    using F = Fp8Stage<kHeadDim>;
-    extern __shared__ uint4 decode_smem[];
-    __shared__ bool visible_smem[S::kStages][S::kTileKeys];
-    const int32_t qi = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-    const int32_t warp = threadIdx.x / 32;
-
-    const int32_t *table = p.block_table;
-    int32_t n_tokens = p.n_tokens, split_tokens = p.split_tokens;
-    if (p.seq_n_tokens) {
-        n_tokens = p.seq_n_tokens[qi];
-        table += qi * p.table_stride;
-        split_tokens = split_tokens_for(n_tokens, p.n_splits, S::kTileKeys);
-    }
-    const int32_t begin = min(n_tokens, split * split_tokens);
-    const int32_t end = min(n_tokens, begin + split_tokens);
-    const int32_t n_tiles = (end - begin + S::kTileKeys - 1) / S::kTileKeys;
-    const int32_t q_position = finish_prologue<T>(p, table, qi, kv_head, n_tokens, begin, end); // p.new_k is null
-
-    for (int tile = 0; tile < S::kStages - 1; ++tile) {
-        if (tile < n_tiles)
-            load_fp8_decode_tile<kHeadDim>(p, table, kv_head, begin + tile * S::kTileKeys, end, q_position,
-                                           F::stage(decode_smem, tile), visible_smem[tile]);
-        cp_async_commit();
-    }
-    uint32_t q_frag[S::kDimSteps][4];
-    load_group_q<kHeadDim>(p, qi, kv_head, q_frag);
-    WarpSoftmax<kHeadDim> state;
-#pragma unroll
-    for (int n = 0; n < S::kDimTiles; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) state.acc[n][j] = 0.0f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        state.run_max[h] = -CUDART_INF_F;
-        state.run_sum[h] = 0.0f;
-    }
-    for (int32_t tile = 0; tile < n_tiles; ++tile) {
-        const int32_t ahead = tile + S::kStages - 1;
-        if (ahead < n_tiles)
-            load_fp8_decode_tile<kHeadDim>(p, table, kv_head, begin + ahead * S::kTileKeys, end, q_position,
-                                           F::stage(decode_smem, ahead % S::kStages), visible_smem[ahead % S::kStages]);
-        cp_async_commit();
-        cp_async_wait<S::kStages - 1>();
-        __syncthreads(); // the stage landed; every warp is done with the dense tile
-        const int32_t stage = tile % S::kStages;
-        expand_fp8_tile<T, kHeadDim>(F::stage(decode_smem, stage), decode_smem);
-        __syncthreads();
-        attend_warp_keys<T, kHeadDim, kTall>(p, q_frag, decode_smem, decode_smem + S::kTileChunks, visible_smem[stage],
-                                             warp * S::kWarpKeys, state);
-        __syncthreads(); // the next prefetch rewrites the visible flags of the stage after this one
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-    merge_and_store<T, kHeadDim, kTall>(p, qi, kv_head, split, state, reinterpret_cast<float *>(decode_smem));
-}
-
-template <typename T, int kHeadDim, bool kTall> struct DecodeFp8Kernel {
-    static void allow_smem() {
-        allow_dynamic_smem<&decode_mma_fp8_kernel<T, kHeadDim, kTall>>(Fp8Stage<kHeadDim>::kSmemBytes);
-    }
-};
-
 template <typename T, int kHeadDim, bool kTall> struct DecodeKernel {
     using type = T;
     static constexpr int head_dim = kHeadDim;
@@ -537,19 +372,6 @@ void launch_decode_mma(const AttentionParams &p, DType dtype, cudaStream_t strea
         const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads), unsigned(p.n_splits)};
         launch_chained(decode_mma_kernel<typename K::type, K::head_dim, K::tall>, grid, dim3(S::kThreads), S::kSmemBytes,
                        stream, p);
-    });
-}
-
-void launch_decode_mma_fp8(const AttentionParams &p, DType dtype, cudaStream_t stream) {
-    require(decode_mma_applies(dtype, p.head_dim, p.group) && (p.seq_n_tokens || p.n_q == 1) && !p.new_k,
-            "shape not supported by the fp8 mma decode attention");
-    dispatch_decode(dtype, p.head_dim, p.group, [&](auto kernel) {
-        using K = decltype(kernel);
-        using T = typename K::type;
-        DecodeFp8Kernel<T, K::head_dim, K::tall>::allow_smem();
-        const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads), unsigned(p.n_splits)};
-        launch_chained(decode_mma_fp8_kernel<T, K::head_dim, K::tall>, grid, dim3(DecodeShape<K::head_dim>::kThreads),
-                       Fp8Stage<K::head_dim>::kSmemBytes, stream, p);
     });
 }
 

@@ -37,6 +37,14 @@
 // Device intrinsics the kernels use.
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+// prmt's default mode: byte i of the result is byte (selector nibble i) of the 8 bytes y:x.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector) {
+    const uint64_t bytes = (uint64_t(y) << 32) | x;
+    unsigned out = 0;
+    for (int i = 0; i < 4; ++i) out |= unsigned((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return out;
+}
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }

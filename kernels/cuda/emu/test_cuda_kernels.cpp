@@ -636,11 +636,15 @@ void test_step(kc::DType dtype, int hk, int group, int d, int bs, int n_seqs, in
 // The fp8 pool (kernels.h): write_dense with and without RoPE, read_dense, copy_paged, attention over
 // the layer and a decode step (write_last, batch_attention) of two sequences, CUDA against the CPU.
 // Without RoPE the pools must hold the same bytes; with it the read-back rows the same values up to
-// the rotation's last bits (a rounding of K to e4m3 may then differ by one step).
-void test_fp8(kc::DType dtype, int hk, int group, int d, int bs, int n, int rope_type) {
+// the rotation's last bits (a rounding of K to e4m3 may then differ by one step). q_scale: the
+// queries' magnitude; with `spread`, each K and V row is scaled by its own power of two in
+// [2^-20, 2^10], so that the row scales (which the fp8 decode kernel folds into its scores and
+// weights) span the range real layers give them.
+void test_fp8(kc::DType dtype, int hk, int group, int d, int bs, int n, int rope_type, float q_scale = 2.0f,
+              bool spread = false) {
     char name[160];
-    std::snprintf(name, sizeof name, "fp8 %s hk=%d group=%d d=%d bs=%d n=%d rope=%d", dtype_name(dtype), hk, group, d,
-                  bs, n, rope_type);
+    std::snprintf(name, sizeof name, "fp8 %s hk=%d group=%d d=%d bs=%d n=%d rope=%d q=%g spread=%d", dtype_name(dtype),
+                  hk, group, d, bs, n, rope_type, double(q_scale), int(spread));
     kc::LayerView view;
     view.n_kv_heads = hk;
     view.head_dim = d;
@@ -664,6 +668,13 @@ void test_fp8(kc::DType dtype, int hk, int group, int d, int bs, int n, int rope
     for (int i = 0; i < 3 * n; ++i) rope_pos.push_back(randint(0, 5000));
     const int32_t *rp = rope_type ? rope_pos.data() : nullptr;
     Buf<unsigned char> k = random_dense(dtype, int64_t(n) * hk * d, 4.0f), v = random_dense(dtype, int64_t(n) * hk * d);
+    if (spread)
+        for (int64_t row = 0; row < int64_t(n) * hk; ++row)
+            for (Buf<unsigned char> *kv : {&k, &v}) {
+                const float factor = std::ldexp(1.0f, randint(-20, 10));
+                for (int64_t i = row * d; i < (row + 1) * d; ++i)
+                    kc::cpu::store(kv->data(), i, kc::cpu::load(kv->data(), i, dtype) * factor, dtype);
+            }
     gpu_pool = cpu_pool;
     kc::LayerView cpu_view = view, gpu_view = view;
     cpu_view.pool = cpu_pool.data();
@@ -692,8 +703,8 @@ void test_fp8(kc::DType dtype, int hk, int group, int d, int bs, int n, int rope
     device_sync();
     expect(cpu_pool == gpu_pool, std::string(name) + " copy_paged bytes");
 
-    const int n_heads = hk * group, n_q = randint(1, 20);
-    Buf<unsigned char> q = random_dense(dtype, int64_t(n_q) * n_heads * d, 2.0f);
+    const int n_heads = hk * group, n_q = randint(0, 1) ? 1 : randint(2, 20); // one query: the fp8 decode kernel
+    Buf<unsigned char> q = random_dense(dtype, int64_t(n_q) * n_heads * d, q_scale);
     Buf<int32_t> q_pos;
     for (int i = 0; i < n_q; ++i) q_pos.push_back(randint(0, n));
     const size_t out_elems = size_t(n_q) * n_heads * d;
@@ -734,7 +745,7 @@ void test_fp8(kc::DType dtype, int hk, int group, int d, int bs, int n, int rope
     kc::cuda::write_last(batch, k1.data(), v1.data(), kc::Rope{}, nullptr, nullptr);
     device_sync();
     expect(cpu_pool == gpu_pool, std::string(name) + " write_last bytes");
-    Buf<unsigned char> qs = random_dense(dtype, int64_t(2) * n_heads * d, 2.0f);
+    Buf<unsigned char> qs = random_dense(dtype, int64_t(2) * n_heads * d, q_scale);
     Buf<unsigned char> workspace(kc::cuda::batch_attention_workspace_bytes(batch, n_heads) + 16);
     Buf<unsigned char> out_step;
     Buf<float> lse_step;
@@ -755,6 +766,12 @@ void test_fp8_grid() {
     test_fp8(kc::DType::BF16, 2, 4, 128, 16, 300, 1);
     test_fp8(kc::DType::F16, 1, 7, 64, 16, 1500, 0);
     test_fp8(kc::DType::BF16, 2, 12, 128, 4, 2047, 0);
+    // The fp8 decode kernel's ranges: multi-head attention, row scales from 2^-20 to 2^10, bf16 queries
+    // past f16's range (it scales them into it), partial units at a sequence's end.
+    test_fp8(kc::DType::BF16, 3, 1, 128, 16, 1000, 0, 2.0f, true);
+    test_fp8(kc::DType::F16, 2, 1, 64, 4, 333, 1, 2.0f, true);
+    test_fp8(kc::DType::BF16, 1, 16, 128, 16, 777, 0, 3e5f, true);
+    test_fp8(kc::DType::BF16, 2, 5, 64, 1, 90, 0, 1e-3f, true);
 }
 
 // One workspace for every batch size of a step (sized as step_create does: the largest over 1..
