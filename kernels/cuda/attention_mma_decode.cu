@@ -31,9 +31,8 @@
 //   g+8 are padding and their softmax is skipped (a[1] = a[3] = 0).
 #include <math_constants.h>
 
-#include <atomic>
-
-#include "attention_mma_tile.cuh" // the mma primitives, quad_max/quad_sum, allow_dynamic_smem
+#include "attention_mma_tile.cuh" // the mma primitives, quad_max/quad_sum
+#include "decode_dispatch.cuh"
 
 namespace conduit::kernels::cuda {
 namespace {
@@ -310,32 +309,11 @@ __global__ void __launch_bounds__(DecodeShape<kHeadDim>::kThreads) decode_mma_ke
     merge_and_store<T, kHeadDim, kTall>(p, qi, kv_head, split, state, reinterpret_cast<float *>(decode_smem));
 }
 
-template <typename T, int kHeadDim, bool kTall> struct DecodeKernel {
-    using type = T;
-    static constexpr int head_dim = kHeadDim;
-    static constexpr bool tall = kTall;
-    static const void *address() { return reinterpret_cast<const void *>(&decode_mma_kernel<T, kHeadDim, kTall>); }
-    // Lets the kernel use its dynamic shared memory (above the 48 KiB default) on this device.
-    static void allow_smem() {
-        allow_dynamic_smem<&decode_mma_kernel<T, kHeadDim, kTall>>(DecodeShape<kHeadDim>::kSmemBytes);
-    }
+template <typename T, int kHeadDim, bool kTall> struct DecodeKernel { // decode_dispatch.cuh
+    static constexpr void (*kernel)(AttentionParams) = &decode_mma_kernel<T, kHeadDim, kTall>;
+    static constexpr int threads = DecodeShape<kHeadDim>::kThreads;
+    static constexpr size_t smem_bytes = DecodeShape<kHeadDim>::kSmemBytes;
 };
-
-// Calls f(DecodeKernel<T, head_dim, tall>{}) for a shape decode_mma_applies accepts.
-template <typename F> void dispatch_decode(DType dtype, int32_t head_dim, int32_t group, F &&f) {
-    const auto with_dim = [&](auto type_tag, auto tall) {
-        using T = typename decltype(type_tag)::type;
-        constexpr bool kTall = decltype(tall)::value;
-        if (head_dim == 64) f(DecodeKernel<T, 64, kTall>{});
-        else f(DecodeKernel<T, 128, kTall>{});
-    };
-    const auto with_type = [&](auto tall) {
-        if (dtype == DType::BF16) with_dim(TypeTag<__nv_bfloat16>{}, tall);
-        else with_dim(TypeTag<__half>{}, tall);
-    };
-    if (group > 8) with_type(std::true_type{});
-    else with_type(std::false_type{});
-}
 
 } // namespace
 
@@ -344,35 +322,17 @@ bool decode_mma_applies(DType dtype, int32_t head_dim, int32_t group) {
 }
 
 int64_t decode_mma_resident_ctas(DType dtype, int32_t head_dim, int32_t group) {
-    int per_sm = 1;
-    dispatch_decode(dtype, head_dim, group, [&](auto kernel) {
-        using K = decltype(kernel);
-        static std::atomic<int> cached{0}; // one instantiation has one occupancy
-        int n = cached.load();
-        if (n == 0) {
-            K::allow_smem();
-            CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K::address(),
-                                                                     DecodeShape<K::head_dim>::kThreads,
-                                                                     DecodeShape<K::head_dim>::kSmemBytes));
-            n = n > 1 ? n : 1;
-            cached.store(n);
-        }
-        per_sm = n;
-    });
-    return int64_t(per_sm) * sm_count();
+    int64_t out = 1;
+    dispatch_decode_kernel<DecodeKernel>(dtype, head_dim, group,
+                                         [&](auto kernel) { out = decode_kernel_resident_ctas<decltype(kernel)>(); });
+    return out;
 }
 
 void launch_decode_mma(const AttentionParams &p, DType dtype, cudaStream_t stream) {
     require(decode_mma_applies(dtype, p.head_dim, p.group) && (p.seq_n_tokens || p.n_q == 1),
             "shape not supported by the mma decode attention");
-    dispatch_decode(dtype, p.head_dim, p.group, [&](auto kernel) {
-        using K = decltype(kernel);
-        using S = DecodeShape<K::head_dim>;
-        K::allow_smem();
-        const dim3 grid{unsigned(p.n_q), unsigned(p.n_kv_heads), unsigned(p.n_splits)};
-        launch_chained(decode_mma_kernel<typename K::type, K::head_dim, K::tall>, grid, dim3(S::kThreads), S::kSmemBytes,
-                       stream, p);
-    });
+    dispatch_decode_kernel<DecodeKernel>(dtype, p.head_dim, p.group,
+                                         [&](auto kernel) { launch_decode_kernel<decltype(kernel)>(p, stream); });
 }
 
 } // namespace conduit::kernels::cuda
