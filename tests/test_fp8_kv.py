@@ -81,7 +81,9 @@ def test_fp8_blocks_hold_twice_the_tokens_of_bf16_in_the_same_bytes(device, dtyp
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n_kv_heads,group,n_tokens,n_q", [(2, 4, 37, 1), (2, 2, 100, 13), (1, 8, 70, 70)])
+# One query (the decode kernels: GQA, multi-head, an odd group, a context of many tiles) and many.
+@pytest.mark.parametrize("n_kv_heads,group,n_tokens,n_q", [
+    (2, 4, 37, 1), (4, 1, 300, 1), (1, 7, 200, 1), (2, 4, 5000, 1), (2, 2, 100, 13), (1, 8, 70, 70)])
 def test_attention_and_its_statistics_read_the_dequantized_kv(device, dtype, n_kv_heads, group, n_tokens, n_q):
     gen = torch.Generator().manual_seed(n_tokens + n_q)
     arena = fp8_arena(device, dtype, n_kv_heads=n_kv_heads)
