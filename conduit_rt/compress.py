@@ -12,6 +12,8 @@ and returns, per layer, the sorted slots to keep:
                 post-vision queries attend to most (text and visual in one ranking); P itself kept
   vlcache_all   vlcache scored with every text token from the first image on; P itself kept (beyond the paper)
   vlcache_flat  vlcache's token scores with equal layer budgets; P itself kept (beyond the paper)
+  vlcache_draft vlcache_flat's budgets; scores add the attention of a few decode steps drafted on the
+                full cache (then dropped); only the prompt's last two tokens forced (beyond the paper)
 
 Budgets: round(α · m · L) tokens in all, apportioned over layers by largest remainder (equal weights
 unless the policy says otherwise). The attention statistics come from the native ``attention_stats``
@@ -19,6 +21,7 @@ kernel over the queries the prefill computed; no [n_q, m] matrix is built.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +46,7 @@ class CompressOptions:
     pyramid_beta: float = 20.0        # PyramidKV steepness
     min_layer_ratio: float = 0.01     # VL-Cache clip of β_l
     recompress_every: int | None = None  # beyond the paper: re-compress every N decoded tokens
+    draft_steps: int = 3              # vlcache_draft: decode steps drafted on the full cache to score with
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -57,6 +61,7 @@ class CompressOptions:
             "pyramid_beta": validation.real(self.pyramid_beta, "pyramid_beta", 0.5),
             "min_layer_ratio": validation.real(self.min_layer_ratio, "min_layer_ratio", 0.0, 1.0),
             "recompress_every": None if every is None else validation.integer(every, "recompress_every", 1),
+            "draft_steps": validation.integer(self.draft_steps, "draft_steps", 1, 64),
             # the random policy seeds layer l with seed * 100003 + l, which must stay a valid seed
             "seed": validation.integer(self.seed, "seed", 0, 2**32 - 1),
         }
@@ -65,18 +70,26 @@ class CompressOptions:
         validation.set_fields(self, fields)
 
 
+# ``draft(n_steps)``: greedy decode steps run on the full prompt cache and then dropped from it ->
+# (q by layer, each [n_steps, n_heads, head_dim], and the steps' causal positions)
+DraftQueries = Callable[[int], tuple[dict[int, torch.Tensor], list[int]]]
+
+
 class PromptStats:
     """What the policies read about a prefilled prompt of m tokens, computed on demand per layer.
 
     ``queries(layer, positions)`` returns the q the prefill computed for those positions
     ([n, n_heads, head_dim]) and which positions it had; statistics come from
-    ``Sequence.attention_stats`` over the layer's stored tokens (slot order).
+    ``Sequence.attention_stats`` over the layer's stored tokens (slot order). ``draft`` drafts decode
+    steps for ``draft_mass`` (run at most once, before any layer is compacted).
     """
 
     def __init__(self, seq, n_layers: int, n_heads: int, scale: float, queries, post_vision: list[int],
-                 options: CompressOptions, parallel: TensorParallelGroup | None = None) -> None:
+                 options: CompressOptions, parallel: TensorParallelGroup | None = None,
+                 draft: DraftQueries | None = None) -> None:
         self.seq, self.n_layers, self.n_heads, self.scale = seq, n_layers, n_heads, scale
         self.parallel = parallel  # tensor parallel: the statistics add up every rank's heads
+        self.draft, self._drafted = draft, None
         self.queries, self.post_vision, self.options = queries, post_vision, options
         self.m = seq.n_tokens(0)
         self.sorted_positions = torch.sort(seq.positions(0).long()).values  # no layer compacted yet
@@ -111,6 +124,26 @@ class PromptStats:
 
     def all_mass(self, layer: int) -> torch.Tensor:
         return self._stats(layer, list(range(self.m)))[0]
+
+    def drafted_queries(self) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """The q of the ``options.draft_steps`` drafted decode steps by layer ([n_steps, n_heads,
+        head_dim]) and their positions, drafted on the first call."""
+        if self.draft is None:
+            raise RequestError("this compression policy drafts decode steps, which this runtime cannot run")
+        if self._drafted is None:
+            self._drafted = self.draft(self.options.draft_steps)
+        return self._drafted
+
+    def draft_mass(self, layer: int) -> torch.Tensor:
+        """float32 [m] on CPU: the attention the ``options.draft_steps`` drafted decode steps give each
+        slot of the layer, summed over steps and heads."""
+        q_by_layer, positions = self.drafted_queries()
+        q = q_by_layer[layer]
+        q_pos = torch.tensor(positions, dtype=torch.int32, device=q.device)
+        mass, _, _ = self.seq.attention_stats(layer, q, q_pos, self.scale, self.options.threshold)
+        if self.parallel is not None:
+            mass = self.parallel.all_reduce(mass)
+        return mass.cpu()
 
 
 def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
@@ -255,6 +288,25 @@ class VLCacheFlat(VLCache):
     layer_budgets = CompressionPolicy.layer_budgets
 
 
+class VLCacheDraft(VLCacheFlat):
+    """Beyond the paper: ``vlcache_flat``'s equal budgets, each token scored by its share of the
+    post-vision rows' attention plus its share of the attention of ``draft_steps`` decode steps drafted
+    greedily on the full cache and then dropped (the answer is decoded again over the kept KV). Only
+    the prompt's last two tokens are forced. The post-vision rows see the prompt, not the answer:
+    what the answer's steps read to decide where it stops is among what the drafted steps attend to.
+    And forcing every post-vision row leaves a short prompt's budget no room for the cells
+    (docs/methods.md, "vlcache_draft"); the rows still compete by their score. Costs ``draft_steps``
+    decode steps over the uncompressed cache, before compaction."""
+
+    name = "vlcache_draft"
+    forced_tail = 2  # the turn template's end, which every decode step reads
+
+    def select(self, stats, layer, k):
+        post_vision, drafted = stats.post_vision_mass(layer), stats.draft_mass(layer)
+        score = post_vision / post_vision.sum().clamp_min(1e-30) + drafted / drafted.sum().clamp_min(1e-30)
+        return top_slots(score, k, stats.post_vision[-self.forced_tail:])
+
+
 def trailing_run(positions: list[int]) -> list[int]:
     """The last run of consecutive positions of a sorted list (the tokens after the last image, when
     ``positions`` are the text tokens from the first image on)."""
@@ -265,7 +317,8 @@ def trailing_run(positions: list[int]) -> list[int]:
 
 
 POLICIES: dict[str, CompressionPolicy] = {p.name: p for p in (KeepAll(), RandomKeep(), StreamingLLM(), H2O(), SnapKV(),
-                                                               PyramidKV(), VLCache(), VLCacheAll(), VLCacheFlat())}
+                                                               PyramidKV(), VLCache(), VLCacheAll(), VLCacheFlat(),
+                                                               VLCacheDraft())}
 
 
 def get_policy(name: str) -> CompressionPolicy:
@@ -313,16 +366,17 @@ class Recompressor:
 
 def compress_prompt(policy: CompressionPolicy, keep: float, options: CompressOptions, seq, config, queries,
                     post_vision: list[int], stats: GenerationStats, trace: bool = False,
-                    parallel: TensorParallelGroup | None = None) -> Recompressor | None:
+                    parallel: TensorParallelGroup | None = None,
+                    draft: DraftQueries | None = None) -> Recompressor | None:
     """Keeps ``keep`` of the prefilled prompt's KV per layer as ``policy`` chooses (compaction gives
     the rest back to the arena) and records the sizes in ``stats`` (with ``trace``, also the prompt
     positions each layer kept: ``stats.kept_positions``; a re-compressor's later choices are not in
     it). ``queries(layer, positions)`` gives the q the prefill computed (see ``PromptStats``). Returns
     the decode steps' re-compressor when ``options.recompress_every`` asks for one. ``parallel``: the
     group of a tensor-parallel model, whose ranks add up their heads' statistics (every rank then
-    keeps the same slots)."""
+    keeps the same slots). ``draft``: drafts decode steps for the policies that score with them."""
     prompt = PromptStats(seq, config.n_layers, config.n_heads, config.attention_scale, queries, post_vision, options,
-                         parallel)
+                         parallel, draft)
     stats.kv_bytes_before_compress = seq.nbytes
     kept = policy.keep(prompt, keep)
     if trace:  # slot -> position before compaction (every layer holds the prompt in the same slots)

@@ -11,7 +11,7 @@ from .arena import KVArena, Sequence
 from .compress import Recompressor
 from .decode_graph import GraphedDecoder
 from .errors import NonFiniteLogitsError
-from .models.base import ForwardBatch
+from .models.base import ForwardBatch, LayerCapture
 from .results import GenerationResult, GenerationStats
 from .sampling import Sampler, SamplingParams, TokenReadback
 
@@ -94,6 +94,22 @@ class Decoder:
             if ahead is not None:
                 seq.truncate(ahead)
 
+    def draft_queries(self, seq: Sequence, logits: torch.Tensor, first_position: int, first_rope: int,
+                      n_steps: int) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """Drafts ``n_steps`` greedy decode steps after a prompt of ``first_position`` tokens whose last
+        row gave ``logits`` and drops them again: the sequence ends as it began. Returns each layer's
+        q of the steps ([n_steps, n_heads, head_dim], model dtype) and their causal positions (what a
+        compression policy scores with before it keeps part of the prompt)."""
+        recorder = QueryRecorder()
+        token = logits.argmax()
+        try:
+            for i in range(n_steps):
+                token = self.step(seq, token, first_position + i, first_rope + i, recorder).argmax()
+        finally:
+            seq.truncate(first_position)
+        q = {layer: torch.cat(rows).contiguous() for layer, rows in recorder.q.items()}
+        return q, list(range(first_position, first_position + n_steps))
+
     def non_finite_error(self, n_tokens: int) -> NonFiniteLogitsError:
         """The error for NaN or infinite logits after ``n_tokens`` tokens of the sequence."""
         return NonFiniteLogitsError(
@@ -102,7 +118,7 @@ class Decoder:
             "checkpoint again, or load the model in float32")
 
     def step(self, seq: Sequence, token: torch.Tensor, position: int, rope_position: int,
-             capture: Recompressor | None = None) -> torch.Tensor:
+             capture: LayerCapture | None = None) -> torch.Tensor:
         """One decode step: the token (int64 scalar on the device) at causal ``position`` -> next-token
         logits [vocab]. Replayed from a CUDA graph when there is one and no layer observer needs the
         eager path."""
@@ -119,6 +135,20 @@ class Decoder:
         rope = torch.full(rows, rope_position, dtype=torch.int32, device=device)
         hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope), capture)
         return self.model.logits(hidden)[0]
+
+
+class QueryRecorder:
+    """A LayerCapture that keeps each layer's q of the steps it observes (copied: the step's buffers
+    are reused)."""
+
+    def __init__(self) -> None:
+        self.q: dict[int, list[torch.Tensor]] = {}
+
+    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        self.q.setdefault(layer, []).append(q.clone())
+
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        """Not needed: the statistics over the q find their own normaliser."""
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -397,9 +397,13 @@ class Runtime:
         compression = options.compression_policy()
         if compression is None:
             return None
+        def draft(n_steps: int) -> tuple[dict[int, torch.Tensor], list[int]]:
+            return self.decoder.draft_queries(prefilled.seq, prefilled.logits, request.n_tokens, request.next_rope,
+                                              n_steps)
+
         return compress_prompt(compression, options.keep, options.compress_options, prefilled.seq, self.model.config,
                                prefilled.capture.queries, compression.query_rows(request), prefilled.stats,
-                               options.trace_selection, model_group(self.model))
+                               options.trace_selection, model_group(self.model), draft)
 
 
 # Runtimes not closed yet. At interpreter exit they are closed while every module is still whole;

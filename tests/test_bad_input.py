@@ -302,6 +302,8 @@ CASES = [
     Case("compress-options-even-pool-kernel", ask("hi", compress_options={"pool_kernel": 4}), RequestError,
          "pool_kernel"),
     Case("compress-options-window-zero", ask("hi", compress_options={"window": 0}), RequestError, "window"),
+    Case("compress-options-draft-steps-zero", ask("hi", compress="vlcache_draft", compress_options={"draft_steps": 0}),
+         RequestError, "draft_steps"),
     Case("compress-options-pyramid-beta-zero", ask("hi", compress_options={"pyramid_beta": 0}), RequestError,
          "pyramid_beta"),
     Case("option-unknown-name", ask("hi", max_token=4), RequestError, "unknown option"),

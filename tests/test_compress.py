@@ -42,6 +42,12 @@ class Recording:
         self.post_vision, self.options, self.m, self.ratio = stats.post_vision, stats.options, stats.m, ratio
         self.n_heads, self.scale = stats.n_heads, stats.scale
         self.kept = self.policy.keep(stats, ratio)
+        if self.name == "vlcache_draft":  # the drafted steps' q join the prompt's, by position
+            drafted, positions = stats.drafted_queries()
+            for layer in range(n_layers):
+                self.q[layer].update(zip(positions, drafted[layer]))
+            self.draft_positions = positions
+            self.positions_after_draft = stats.seq.positions(0).long()
         return self.kept
 
 
@@ -118,6 +124,10 @@ def reference_keep(rec: Recording) -> list[list[int]]:
         elif rec.name == "vlcache_flat":  # VL-Cache's scores, every layer the same budget
             p, _ = probabilities(rec, layer, rec.post_vision)
             out.append(best(p.sum((0, 1)), k, rec.post_vision))
+        elif rec.name == "vlcache_draft":  # each token's share of P's attention plus its share of the drafted steps'
+            post_vision = probabilities(rec, layer, rec.post_vision)[0].sum((0, 1))
+            drafted = probabilities(rec, layer, rec.draft_positions)[0].sum((0, 1))
+            out.append(best(post_vision / post_vision.sum() + drafted / drafted.sum(), k, rec.post_vision[-2:]))
     return out
 
 
@@ -195,6 +205,29 @@ def test_decode_after_compaction_equals_a_reference_that_masks_the_dropped_token
     expected = reference_decode_logits(runtime, recorder, result.tokens[0], result.stats.prompt_tokens)
     runtime.model.language_model.float()
     assert (result.logits[1] - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_drafted_steps_are_the_greedy_answers_steps_and_leave_the_prompt_as_it_was(runtime, monkeypatch, steps):
+    if runtime.device.type != "cpu":
+        pytest.skip("the float64 reference runs on the CPU model")
+    messages = MESSAGES([picture(i) for i in range(2)])
+    plain = runtime.generate(messages, max_tokens=steps + 1)
+    recorder = record(monkeypatch, "vlcache_draft")
+    runtime.generate(messages, max_tokens=1, compress="vlcache_draft", keep=0.3,
+                     compress_options={"draft_steps": steps})
+    m = recorder.m
+    assert recorder.draft_positions == list(range(m, m + steps))
+    # layer 0's q of step i: the greedy answer's token i, embedded, normed, projected and rotated at m + i
+    model = runtime.model.language_model
+    attn, rot = model.layers[0].self_attn, model.rotary
+    h = model.layers[0].input_layernorm(model.embed_tokens(torch.tensor(plain.tokens[:steps]))).double()
+    q = (h @ attn.q_proj.weight.double().T).view(steps, attn.n_heads, attn.head_dim)
+    q = apply_rope(q, torch.arange(m, m + steps, dtype=torch.int32), rot.inv_freq, rot.attention_scaling)
+    drafted = torch.stack([recorder.q[0][p] for p in recorder.draft_positions]).double()
+    torch.testing.assert_close(drafted, q.double(), atol=1e-4 * float(q.abs().max()), rtol=0)
+    assert torch.equal(recorder.positions_after_draft, recorder.positions)  # the drafted steps were dropped again
+    assert runtime.arena.stats().n_seqs == 0
 
 
 def test_recompress_every_n_keeps_decoding_within_the_budget(runtime):
