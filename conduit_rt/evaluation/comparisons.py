@@ -32,8 +32,8 @@ from .statistics import paired_difference
 REFRESH_METHOD, COMPRESS_METHOD = "conduit", "vlcache"
 REFRESH_RIVAL = "attention"  # the method's own ablation: its score without value norms and amplification
 # the policies beyond the papers (docs/methods.md): compared with the method, never its baselines
-BEYOND = {"refresh": {"conduit_allq", "conduit_rescore", "conduit_deviation", "conduit_focus",
-                       "conduit_local"}, "compress": {"vlcache_all", "vlcache_flat"}}
+BEYOND = {"refresh": {"conduit_allq", "conduit_rescore", "conduit_deviation", "conduit_focus", "conduit_local"},
+          "compress": {"vlcache_all", "vlcache_flat", "vlcache_draft"}}
 KV_TOLERANCE_POINTS = 0.5  # exact-match points a KV dtype may lose against the dense cache and still keep its quality
 NOT_BASELINES = {"refresh": {"full", "none", REFRESH_METHOD, *BEYOND["refresh"]},
                  "compress": {"none", COMPRESS_METHOD, *BEYOND["compress"]}}
