@@ -138,12 +138,8 @@ class PromptStats:
         """float32 [m] on CPU: the attention the ``options.draft_steps`` drafted decode steps give each
         slot of the layer, summed over steps and heads."""
         q_by_layer, positions = self.drafted_queries()
-        q = q_by_layer[layer]
-        q_pos = torch.tensor(positions, dtype=torch.int32, device=q.device)
-        mass, _, _ = self.seq.attention_stats(layer, q, q_pos, self.scale, self.options.threshold)
-        if self.parallel is not None:
-            mass = self.parallel.all_reduce(mass)
-        return mass.cpu()
+        return decode_mass(self.seq, layer, q_by_layer[layer], positions, self.scale, self.parallel,
+                           self.options.threshold).cpu()
 
 
 def top_slots(scores: torch.Tensor, k: int, forced: list[int]) -> list[int]:
@@ -328,34 +324,52 @@ def get_policy(name: str) -> CompressionPolicy:
         raise RequestError(f"unknown compression policy {name!r}; use one of {sorted(POLICIES)}") from None
 
 
-class Recompressor:
+class QueryRecorder:
+    """A LayerCapture keeping each layer's q of the decode steps it observes (copied: a step's buffers
+    are reused)."""
+
+    def __init__(self) -> None:
+        self.q: dict[int, list[torch.Tensor]] = {}
+
+    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
+        self.q.setdefault(layer, []).append(q.clone())
+
+    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
+        """Not needed: the statistics over the recorded q find their own normaliser."""
+
+    def stacked(self, layer: int) -> torch.Tensor:
+        """The layer's recorded q, [n_steps, n_heads, head_dim] (model dtype)."""
+        return torch.cat(self.q[layer]).contiguous()
+
+
+def decode_mass(seq, layer: int, q: torch.Tensor, positions: list[int], scale: float,
+                parallel: TensorParallelGroup | None, threshold: float = 0.01) -> torch.Tensor:
+    """float32 [n_tokens(layer)] on q's device: the attention decode-step queries q ([n, n_heads,
+    head_dim], at causal ``positions``) give each slot of the layer, summed over steps and heads (and,
+    under tensor parallelism, over every rank's heads)."""
+    q_pos = torch.tensor(positions, dtype=torch.int32, device=q.device)
+    mass, _, _ = seq.attention_stats(layer, q, q_pos, scale, threshold)
+    return mass if parallel is None else parallel.all_reduce(mass)
+
+
+class Recompressor(QueryRecorder):
     """Beyond the paper: every ``every`` decoded tokens, brings each layer back to its budget, keeping
     the post-vision tokens and the recent decoded ones, ranking the rest by the attention of the
     recent decoded tokens. It is the decode steps' LayerCapture (it keeps their q)."""
 
     def __init__(self, seq, budgets: list[int], every: int, post_vision: list[int], scale: float,
                  parallel: TensorParallelGroup | None = None) -> None:
+        super().__init__()
         self.seq, self.budgets, self.every, self.post_vision, self.scale = seq, budgets, every, post_vision, scale
         self.parallel = parallel  # tensor parallel: the mass adds up every rank's heads
-        self.q: dict[int, list[torch.Tensor]] = {}
         self.recent: list[int] = []
-
-    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        self.q.setdefault(layer, []).append(q.clone())
-
-    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
-        """Not needed: the re-compression's statistics find their own normaliser."""
 
     def after_step(self, position: int) -> None:
         self.recent.append(position)
         if len(self.recent) < self.every:
             return
         for layer, budget in enumerate(self.budgets):
-            q = torch.cat(self.q[layer]).contiguous()
-            q_pos = torch.tensor(self.recent, dtype=torch.int32, device=q.device)
-            mass, _, _ = self.seq.attention_stats(layer, q, q_pos, self.scale)
-            if self.parallel is not None:
-                mass = self.parallel.all_reduce(mass)
+            mass = decode_mass(self.seq, layer, self.stacked(layer), self.recent, self.scale, self.parallel)
             positions = self.seq.positions(layer).tolist()
             forced_positions = set(self.recent) | set(self.post_vision)
             forced = [slot for slot, p in enumerate(positions) if p in forced_positions]

@@ -8,7 +8,7 @@ from collections.abc import Generator, Iterator
 import torch
 
 from .arena import KVArena, Sequence
-from .compress import Recompressor
+from .compress import QueryRecorder, Recompressor
 from .decode_graph import GraphedDecoder
 from .errors import NonFiniteLogitsError
 from .models.base import ForwardBatch, LayerCapture
@@ -107,8 +107,8 @@ class Decoder:
                 token = self.step(seq, token, first_position + i, first_rope + i, recorder).argmax()
         finally:
             seq.truncate(first_position)
-        q = {layer: torch.cat(rows).contiguous() for layer, rows in recorder.q.items()}
-        return q, list(range(first_position, first_position + n_steps))
+        return ({layer: recorder.stacked(layer) for layer in recorder.q},
+                list(range(first_position, first_position + n_steps)))
 
     def non_finite_error(self, n_tokens: int) -> NonFiniteLogitsError:
         """The error for NaN or infinite logits after ``n_tokens`` tokens of the sequence."""
@@ -135,20 +135,6 @@ class Decoder:
         rope = torch.full(rows, rope_position, dtype=torch.int32, device=device)
         hidden = self.model.forward(seq, embeds, ForwardBatch(positions=positions, rope_positions=rope), capture)
         return self.model.logits(hidden)[0]
-
-
-class QueryRecorder:
-    """A LayerCapture that keeps each layer's q of the steps it observes (copied: the step's buffers
-    are reused)."""
-
-    def __init__(self) -> None:
-        self.q: dict[int, list[torch.Tensor]] = {}
-
-    def on_layer(self, layer: int, q: torch.Tensor, k_pre_rope: torch.Tensor, v: torch.Tensor) -> None:
-        self.q.setdefault(layer, []).append(q.clone())
-
-    def on_attention(self, layer: int, lse: torch.Tensor) -> None:
-        """Not needed: the statistics over the q find their own normaliser."""
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
