@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from .runtime import Runtime
 
     runtime = Runtime(args.model, device=args.device, prefix_cache_entries=0)  # a checkpoint folder: converted once
-    print(f"model on {runtime.device} ({runtime.dtype}); {runtime.model.config.tokens_per_image} tokens per page\n",
-          flush=True)
+    print(f"model on {runtime.device} ({runtime.dtype})\n", flush=True)
     pool = build_pool(seed=0, split="test", size=64)
     requests = pool.requests(args.requests, min_pages=3, max_pages=6)
     correct = {"full": 0, "conduit": 0}
