@@ -397,7 +397,9 @@ class Runtime:
         compression = options.compression_policy()
         if compression is None:
             return None
+
         def draft(n_steps: int) -> tuple[dict[int, torch.Tensor], list[int]]:
+            """Decode steps over the whole prompt's KV, for the policies that score with them."""
             return self.decoder.draft_queries(prefilled.seq, prefilled.logits, request.n_tokens, request.next_rope,
                                               n_steps)
 
