@@ -210,6 +210,8 @@ def test_run_streams_the_runtimes_answer(bundled_gguf, tmp_path, capsys):
     (["eval", "--refresh-policies", "conduit,magic"], "--refresh-policies"),
     (["eval", "--min-pages", "5", "--max-pages", "2"], "--min-pages"),
     (["eval", "--together", "0.1"], "--together"),
+    (["eval", "--together-policies", "conduit"], "--together-policies"),
+    (["eval", "--together-policies", "vlcache,conduit"], "--together-policies"),
     (["bench", "--skip", "everything"], "--skip"),
     (["convert", "src", "--outdir", "o", "--dtype", "q4"], "--dtype"),
 ])

@@ -65,7 +65,8 @@ SETTINGS = [Setting("reference"), Setting("refresh", "full", 1.0), Setting("refr
             Setting("refresh", "conduit", 0.1), Setting("refresh", "conduit", 0.3), Setting("refresh", "cacheblend", 0.1),
             Setting("compress", compress="none", keep=1.0), Setting("compress", compress="vlcache", keep=0.1),
             Setting("compress", compress="snapkv", keep=0.3),
-            Setting("together", "conduit", 0.1, "vlcache", 0.1)]
+            Setting("together", "conduit", 0.1, "vlcache", 0.1),
+            Setting("together", "conduit_local", 0.1, "vlcache_draft", 0.1)]
 
 
 @pytest.fixture(scope="module")

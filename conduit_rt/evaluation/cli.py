@@ -27,7 +27,7 @@ from ..errors import ModelFormatError
 from ..extras import pyplot
 from . import report, statistics
 from .comparisons import kv_comparison, outcomes, paired_comparisons
-from .replay import REFERENCE_KEY, build_settings
+from .replay import REFERENCE_KEY, TOGETHER_POLICIES, build_settings
 from .shards import replay_all
 
 logger = logging.getLogger("conduit_rt.evaluation")
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compression keep ratios α in [0, 1], comma-separated (default: 0.05,0.1,0.2,0.4)")
     parser.add_argument("--together", type=fractions, default=[0.1, 0.1], metavar="R,A",
                         help="CONDUIT budget,VL-Cache keep of the combined row (empty: no such row; default: 0.1,0.1)")
+    parser.add_argument("--together-policies", type=policy_pair, default=TOGETHER_POLICIES, metavar="REFRESH,COMPRESS",
+                        help="the combined row's refresh policy and compression policy (default: "
+                             f"{','.join(TOGETHER_POLICIES)})")
     parser.add_argument("--kv-dtype", choices=("fp8",), default=None,
                         help="also answer every request with full prefill on a second Runtime over the same weights "
                              "whose KV cache is this dtype: its accuracy against the dense cache's and the first "
@@ -89,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the image-KV store's share of it (default: %(default)s)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, warnings only")
     return parser
+
+
+def policy_pair(text: str) -> tuple[str, str]:
+    """An argparse type: "REFRESH,COMPRESS", a refresh policy and a compression policy."""
+    names = [part.strip() for part in text.split(",")]
+    if len(names) != 2:
+        raise argparse.ArgumentTypeError(f"give a refresh policy and a compression policy, got {text!r}")
+    refresh, compress = names
+    for name, known, kind in ((refresh, REFRESH_POLICIES, "refresh"), (compress, COMPRESS_POLICIES, "compression")):
+        if name not in known:
+            raise argparse.ArgumentTypeError(f"unknown {kind} policy {name!r}; choose from {', '.join(known)}")
+    return refresh, compress
 
 
 def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -170,7 +185,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     n = args.n if args.n is not None else (500 if device.type == "cuda" else 24)
     settings = build_settings(args.refresh_policies, args.budgets, args.compress_policies, args.keeps,
-                              tuple(args.together) if args.together else None, args.kv_dtype)
+                              tuple(args.together) if args.together else None, args.kv_dtype,
+                              args.together_policies)
     logger.info("%d settings x %d requests on %s (%s), %d worker(s)", len(settings), n, device, dtype, args.workers)
     indices = list(range(args.start, args.start + n))
     scores, seconds = replay_all(args, model_path, settings, indices, device, dtype, progress=not args.quiet)

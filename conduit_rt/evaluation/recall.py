@@ -105,6 +105,11 @@ def selection_measures(needed_cells: Sequence[tuple[int, int]], stats) -> dict[s
     return out
 
 
+def together_label(row: dict) -> str:
+    """A combined row's two policies, as the plots name it: "conduit + vlcache"."""
+    return f"{row['refresh']} + {row['compress']}"
+
+
 def has_recall(results: dict) -> bool:
     """Whether any row of a results dict carries the recall measures."""
     return any(MEASURE in row for row in results["rows"])
@@ -157,7 +162,7 @@ def plot_recall(results: dict, path: Path) -> None:
             axis.plot(*zip(*points), marker="o", label=policy,
                       linewidth=2.5 if policy in ("conduit", "vlcache") else 1.5)
     for row in (r for r in results["rows"] if r["kind"] == "together" and MEASURE in r):
-        label = f"conduit + vlcache (r {100 * row['budget']:g}%, α {100 * row['keep']:g}%)"
+        label = f"{together_label(row)} (r {100 * row['budget']:g}%, α {100 * row['keep']:g}%)"
         budget_axis.plot([100 * row["budget"]], [100 * row[MEASURE]], "*", markersize=14, label=label)
         keep_axis.plot([100 * row["keep"]], [100 * row[KEPT_MEASURE]], "*", markersize=14, label=label)
     for axis, kind, ratio_of in ((refresh_layers, "refresh", "budget"), (keep_layers, "compress", "keep")):

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 REFERENCE_KEY = "full_prefill"
 
 
+TOGETHER_POLICIES = ("conduit", "vlcache")  # the combined row's refresh and compression policy by default
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One row of the table: a refresh policy and budget, a compression policy and keep ratio, or both.
@@ -73,10 +76,12 @@ class Setting:
 
 def build_settings(refresh_policies: Sequence[str], budgets: Sequence[float], compress_policies: Sequence[str],
                    keeps: Sequence[float], together: tuple[float, float] | None = (0.1, 0.1),
-                   kv_dtype: str | None = None) -> list[Setting]:
+                   kv_dtype: str | None = None,
+                   together_policies: tuple[str, str] = TOGETHER_POLICIES) -> list[Setting]:
     """The reference first, then (with ``kv_dtype``) the reference on that KV cache, each refresh
     policy at each budget, each compression policy at each keep ratio, and CONDUIT + VL-Cache at
-    ``together`` = (budget, keep).
+    ``together`` = (budget, keep): the refresh and the compression policy of ``together_policies``
+    (default CONDUIT and VL-Cache, the methods' own pair).
 
     Rows that would repeat another are run once: ``full`` (every token, any budget), ``none``
     (nothing, any budget), compression ``none`` (everything, any keep). Budget 0 is run only as
@@ -99,7 +104,8 @@ def build_settings(refresh_policies: Sequence[str], budgets: Sequence[float], co
         else:
             settings += [Setting("compress", compress=policy, keep=float(k)) for k in keeps]
     if together is not None:
-        settings.append(Setting("together", "conduit", float(together[0]), "vlcache", float(together[1])))
+        refresh, compress = together_policies
+        settings.append(Setting("together", refresh, float(together[0]), compress, float(together[1])))
     return settings
 
 

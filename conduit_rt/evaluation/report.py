@@ -231,8 +231,8 @@ def headline(results: dict) -> list[str]:
                      + comparison_notes(results, "compress", HEADLINE_RATIO) + ".")
     together = [row for row in results["rows"] if row["kind"] == "together"]
     for row in together:
-        notes.append(f"CONDUIT r = {100 * row['budget']:g}% + VL-Cache α = {100 * row['keep']:g}% together: "
-                     f"{_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at {row['prefill_flops_ratio']:.3f}x "
+        notes.append(f"`{row['refresh']}` r = {100 * row['budget']:g}% + `{row['compress']}` α = {100 * row['keep']:g}% "
+                     f"together: {_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at {row['prefill_flops_ratio']:.3f}x "
                      f"the prefill FLOPs and {row['kv_ratio']:.3f}x the KV bytes.")
     if results.get("kv_cache"):  # results of runs without --kv-dtype have none
         notes.append(kv_headline(results["kv_cache"]))
@@ -308,7 +308,8 @@ def plot(results: dict, path: Path) -> None:
         style = "--o" if policy in ("full", "none") else "-o"
         _draw(left, points, style, label=policy, linewidth=2.5 if policy == "conduit" else 1.5)
     for row in (r for r in results["rows"] if r["kind"] == "together"):
-        _draw(left, [(100 * row["budget"], row)], "*", markersize=14, label=f"conduit + vlcache (α {100 * row['keep']:g}%)")
+        _draw(left, [(100 * row["budget"], row)], "*", markersize=14,
+              label=f"{recall.together_label(row)} (α {100 * row['keep']:g}%)")
     keeps = results["config"]["keeps"]
     for policy in _policies(results, "compress", COMPRESS_ORDER):
         points = [(100 * k, row) for k in keeps if (row := compress_row(results, policy, k))]
