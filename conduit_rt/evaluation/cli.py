@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keeps", type=fractions, default=[0.05, 0.1, 0.2, 0.4], metavar="A,A,...",
                         help="compression keep ratios α in [0, 1], comma-separated (default: 0.05,0.1,0.2,0.4)")
     parser.add_argument("--together", type=fractions, default=[0.1, 0.1], metavar="R,A",
-                        help="CONDUIT budget,VL-Cache keep of the combined row (empty: no such row; default: 0.1,0.1)")
+                        help="refresh budget,keep ratio of the combined row, whose policies --together-policies names "
+                             "(empty: no such row; default: 0.1,0.1)")
     parser.add_argument("--together-policies", type=policy_pair, default=TOGETHER_POLICIES, metavar="REFRESH,COMPRESS",
                         help="the combined row's refresh policy and compression policy (default: "
                              f"{','.join(TOGETHER_POLICIES)})")

@@ -231,9 +231,9 @@ def headline(results: dict) -> list[str]:
                      + comparison_notes(results, "compress", HEADLINE_RATIO) + ".")
     together = [row for row in results["rows"] if row["kind"] == "together"]
     for row in together:
-        notes.append(f"`{row['refresh']}` r = {100 * row['budget']:g}% + `{row['compress']}` α = {100 * row['keep']:g}% "
-                     f"together: {_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at {row['prefill_flops_ratio']:.3f}x "
-                     f"the prefill FLOPs and {row['kv_ratio']:.3f}x the KV bytes.")
+        pair = f"`{row['refresh']}` r = {100 * row['budget']:g}% + `{row['compress']}` α = {100 * row['keep']:g}%"
+        notes.append(f"{pair} together: {_pct(row['accuracy_pct_of_full'])} of full-prefill accuracy at "
+                     f"{row['prefill_flops_ratio']:.3f}x the prefill FLOPs and {row['kv_ratio']:.3f}x the KV bytes.")
     if results.get("kv_cache"):  # results of runs without --kv-dtype have none
         notes.append(kv_headline(results["kv_cache"]))
     return notes
