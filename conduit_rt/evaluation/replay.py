@@ -36,8 +36,6 @@ from .recall import selection_measures
 logger = logging.getLogger(__name__)
 
 REFERENCE_KEY = "full_prefill"
-
-
 TOGETHER_POLICIES = ("conduit", "vlcache")  # the combined row's refresh and compression policy by default
 
 
@@ -79,8 +77,8 @@ def build_settings(refresh_policies: Sequence[str], budgets: Sequence[float], co
                    kv_dtype: str | None = None,
                    together_policies: tuple[str, str] = TOGETHER_POLICIES) -> list[Setting]:
     """The reference first, then (with ``kv_dtype``) the reference on that KV cache, each refresh
-    policy at each budget, each compression policy at each keep ratio, and CONDUIT + VL-Cache at
-    ``together`` = (budget, keep): the refresh and the compression policy of ``together_policies``
+    policy at each budget, each compression policy at each keep ratio, and the combined row at
+    ``together`` = (budget, keep) with the refresh and the compression policy of ``together_policies``
     (default CONDUIT and VL-Cache, the methods' own pair).
 
     Rows that would repeat another are run once: ``full`` (every token, any budget), ``none``
